@@ -1,0 +1,145 @@
+"""The compaction plan: what one pass does to one request's KV, shared by the plugin
+(which computes it) and the compactor (which validates and applies it).
+
+A plan is data only: a new request-to-token row, slot moves, and pages to free. The
+compactor copies ``src_slots[i] -> dst_slots[i]`` in every layer's K and V buffer; the
+scheduler then commits ``new_row``/``new_positions`` and frees ``freed_pages``.
+
+``validate_structure`` checks what can be checked from the plan alone (the compactor
+runs it on every request before any byte moves); the planner's full invariants, which
+also need the pre-pass row and the survivor set, live in ``sglang_evict.planner``.
+
+Diagram of a plan's slots (page size 4, one request; ``.`` = evicted, ``_`` = free tail):
+
+    pre-pass row pages   [ 0  1  .  3 ][ 4  5  6  7 ][ .  9  10 _ ]
+    moves                 9 -> hole of page 0 ; 10 -> ... (dst never a survivor slot)
+    new row pages        [ 0  1  9  3 ][ 4  5  6  7 ][ 10 ... ]   freed: pages emptied
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class PlanError(ValueError):
+    """A plan is malformed or violates an invariant; nothing was applied."""
+
+
+def _int64_1d(name: str, value: Tensor) -> None:
+    if not isinstance(value, Tensor) or value.dim() != 1 or value.dtype != torch.int64:
+        raise PlanError(f"{name} must be a 1-D int64 tensor, got {value!r:.80}")
+
+
+def _duplicates(values: Tensor) -> list[int]:
+    unique, counts = torch.unique(values, return_counts=True)
+    return unique[counts > 1].tolist()
+
+
+@dataclass(frozen=True)
+class CompactionPlan:
+    """One request's compaction pass.
+
+    Attributes:
+        page_size: KV page size in tokens; page ``p`` holds slots ``[p*P, (p+1)*P)``.
+        new_row: int64 ``[num_survivors]``, the request-to-token row after commit.
+        new_positions: int64 ``[num_survivors]``, logical (RoPE) position of each entry.
+        src_slots, dst_slots: int64 ``[num_moves]``, slot copies (every layer, K and V).
+        freed_pages: int64, pages the request returns to the allocator after commit
+            (slot indices when ``page_size`` is 1).
+        claimed_pages: int64, fresh pages (allocated by the caller before the pass) that
+            ``new_row`` uses; net pages returned = ``len(freed) - len(claimed)``.
+    """
+
+    page_size: int
+    new_row: Tensor
+    new_positions: Tensor
+    src_slots: Tensor
+    dst_slots: Tensor
+    freed_pages: Tensor
+    claimed_pages: Tensor
+
+    @property
+    def num_moves(self) -> int:
+        return int(self.src_slots.numel())
+
+    @property
+    def num_pages_freed(self) -> int:
+        """Net pages returned to the allocator by this pass."""
+        return int(self.freed_pages.numel() - self.claimed_pages.numel())
+
+    def bytes_moved(self, bytes_per_slot_all_layers: int) -> int:
+        """Bytes read plus written when every move copies ``bytes_per_slot_all_layers``."""
+        return 2 * self.num_moves * bytes_per_slot_all_layers
+
+    def validate_structure(self, num_slots: int | None = None) -> None:
+        """Raise ``PlanError`` unless the plan is self-consistent.
+
+        Checks: shapes and dtypes; no slot written twice or read twice; no slot both read
+        and written (moves are independent, so any order or parallel split is safe and a
+        re-run is idempotent); every destination lies in the new row and no source does;
+        the new row is page-structured; freed pages are not in the new row; slots lie in
+        ``[0, num_slots)`` when ``num_slots`` is given.
+        """
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise PlanError(f"page_size must be a positive integer, got {self.page_size!r}")
+        for name in (
+            "new_row",
+            "new_positions",
+            "src_slots",
+            "dst_slots",
+            "freed_pages",
+            "claimed_pages",
+        ):
+            _int64_1d(name, getattr(self, name))
+        if self.new_positions.shape != self.new_row.shape:
+            raise PlanError("new_positions and new_row differ in length")
+        if self.src_slots.shape != self.dst_slots.shape:
+            raise PlanError("src_slots and dst_slots differ in length")
+        for name in ("new_row", "src_slots", "dst_slots", "freed_pages", "claimed_pages"):
+            dup = _duplicates(getattr(self, name))
+            if dup:
+                raise PlanError(f"{name} repeats {dup[:8]}")
+        if num_slots is not None:
+            for name in ("new_row", "src_slots", "dst_slots"):
+                values = getattr(self, name)
+                if values.numel() and (values.min() < 0 or values.max() >= num_slots):
+                    raise PlanError(f"{name} has slots outside [0, {num_slots})")
+        if torch.isin(self.dst_slots, self.src_slots).any():
+            both = self.dst_slots[torch.isin(self.dst_slots, self.src_slots)][:8].tolist()
+            raise PlanError(f"slots {both} are both read and written in one pass")
+        if not torch.isin(self.dst_slots, self.new_row).all():
+            raise PlanError("a move writes a slot that the new row does not hold")
+        if torch.isin(self.src_slots, self.new_row).any():
+            raise PlanError("a move reads a slot that the new row still holds")
+        check_page_structure(self.new_row, self.page_size)
+        new_pages = torch.unique(torch.div(self.new_row, self.page_size, rounding_mode="floor"))
+        if torch.isin(self.freed_pages, new_pages).any():
+            raise PlanError("a freed page is still used by the new row")
+        if not torch.isin(self.claimed_pages, new_pages).all():
+            raise PlanError("a claimed page is not used by the new row")
+
+
+def check_page_structure(row: Tensor, page_size: int) -> None:
+    """Raise ``PlanError`` unless ``row`` is page-structured.
+
+    SGLang's paged allocator and page-table attention backends read a row as whole
+    pages: entry ``i`` lies in the same page as entry ``i - i % P`` and at offset
+    ``i % P`` of it. So all pages but the last are full, and the last is filled from
+    offset 0. With page size 1 every row qualifies.
+    """
+    if page_size == 1 or row.numel() == 0:
+        return
+    index = torch.arange(row.numel(), dtype=torch.int64)
+    if not torch.equal(row % page_size, index % page_size):
+        bad = int(torch.nonzero(row % page_size != index % page_size)[0])
+        raise PlanError(
+            f"row entry {bad} holds slot {int(row[bad])} at page offset "
+            f"{int(row[bad]) % page_size}, expected {bad % page_size}"
+        )
+    page_start = row[index - index % page_size]
+    if not torch.equal(row - index % page_size, page_start):
+        bad = int(torch.nonzero(row - index % page_size != page_start)[0])
+        raise PlanError(f"row entry {bad} is not in the same page as the start of its page")

@@ -1,0 +1,10 @@
+"""Kernels of sglang-evict: repack (slot moves across every layer) and scoring.
+
+Each kernel has a launcher, its device code, and a plain torch reference beside it;
+tests and benchmarks compare against the reference. This package imports neither
+``sglang_evict`` nor ``compactor_service``.
+"""
+
+from sglang_evict_kernels.repack import repack_kv_reference
+
+__all__ = ["repack_kv_reference"]

@@ -1,0 +1,188 @@
+"""The ``sglang-evict`` command.
+
+Subcommands:
+    simulate   plan one eviction pass over a synthetic request and print what eviction
+               alone and each compaction strategy return to a paged allocator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from sglang_evict import __version__
+from sglang_evict.config import COMPACTION_STRATEGIES, EvictionConfig
+from sglang_evict.planner import (
+    fresh_pages_needed,
+    pages_freed_without_compaction,
+    plan_compaction,
+)
+from sglang_evict.scorers import SCORERS, KVView
+from sglang_evict.selection import protected_mask, select_survivors
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+SCORE_LAYERS = 2  # random keys: more layers would only cost memory, not change the picture
+SCORE_KV_HEADS = 2
+
+
+def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
+    """The eviction flags, named as ``sglang-evict serve`` will take them."""
+    parser.add_argument("--kv-budget", type=int, required=True, help="tokens kept after a pass")
+    parser.add_argument("--kv-cadence", type=int, default=128, help="tokens between passes")
+    parser.add_argument("--kv-sink-tokens", type=int, default=4, help="attention sinks kept")
+    parser.add_argument("--kv-protected-tokens", type=int, default=0, help="e.g. system prompt")
+    parser.add_argument("--kv-window", type=int, default=128, help="recent tokens always kept")
+    parser.add_argument("--kv-scorer", default="knorm", help=f"one of {sorted(SCORERS)}")
+    parser.add_argument(
+        "--kv-scorer-stats", default=None, help="triattention: stats file from calibration"
+    )
+    parser.add_argument(
+        "--kv-compaction",
+        default="hole_fill",
+        choices=COMPACTION_STRATEGIES,
+        help="strategy of the configured policy",
+    )
+
+
+def _config_from_args(args: argparse.Namespace) -> EvictionConfig:
+    params = {"stats_path": args.kv_scorer_stats} if args.kv_scorer_stats else {}
+    return EvictionConfig(
+        kv_budget_tokens=args.kv_budget,
+        cadence_tokens=args.kv_cadence,
+        sink_tokens=args.kv_sink_tokens,
+        protected_tokens=args.kv_protected_tokens,
+        window_tokens=args.kv_window,
+        scorer=args.kv_scorer,
+        scorer_params=params,
+        compaction=args.kv_compaction,
+        page_size=args.page_size,
+    )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    config = _config_from_args(args)
+    scorer = config.make_scorer()
+    num_tokens = args.tokens
+    generator = torch.Generator().manual_seed(args.seed)
+    # The synthetic cache only drives the scorer; the model-shape flags set bytes per slot.
+    score_shape = (SCORE_LAYERS, num_tokens, SCORE_KV_HEADS, args.head_dim)
+    keys = torch.randn(*score_shape, generator=generator)
+    positions = torch.arange(num_tokens, dtype=torch.int64)
+    window = min(32, num_tokens)
+    view = KVView(
+        keys=keys,
+        positions=positions,
+        current_position=num_tokens,
+        queries=torch.randn(
+            SCORE_LAYERS, window, SCORE_KV_HEADS, args.head_dim, generator=generator
+        )
+        if scorer.needs_queries
+        else None,
+        query_positions=positions[-window:] if scorer.needs_queries else None,
+    )
+    protected = protected_mask(
+        positions,
+        sink_tokens=config.sink_tokens,
+        protected_tokens=config.protected_tokens,
+        window_tokens=config.window_tokens,
+    )
+    selection = select_survivors(scorer.score(view), config.kv_budget_tokens, protected)
+    survivors = selection.indices
+    page_size = config.page_size
+    row = torch.arange(num_tokens, dtype=torch.int64) + page_size  # page 0 is padding
+    bytes_per_slot = 2 * args.layers * args.kv_heads * args.head_dim * DTYPE_BYTES[args.dtype]
+    pages_before = -(-num_tokens // page_size)
+    result = {
+        "tokens": num_tokens,
+        "survivors": int(survivors.numel()),
+        "page_size": page_size,
+        "scorer": config.scorer,
+        "pages_before": pages_before,
+        "pages_freed_without_compaction": pages_freed_without_compaction(
+            num_tokens, survivors, page_size
+        ),
+        "strategies": {},
+    }
+    for strategy in COMPACTION_STRATEGIES:
+        need = fresh_pages_needed(row, survivors, page_size=page_size, strategy=strategy)
+        fresh = list(range(pages_before + 1, pages_before + 1 + need))
+        plan = plan_compaction(
+            row, survivors, page_size=page_size, strategy=strategy, fresh_pages=fresh
+        )
+        result["strategies"][strategy] = {
+            "pages_freed": plan.num_pages_freed,
+            "slot_copies": plan.num_moves,
+            "bytes_moved": plan.bytes_moved(bytes_per_slot),
+            "staging_pages": need,
+        }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(
+        f"request: {num_tokens} tokens in {pages_before} pages of {page_size}; scorer "
+        f"{config.scorer} keeps {result['survivors']} (budget {config.kv_budget_tokens})"
+    )
+    header = f"{'':<26}{'pages freed':>12}{'slot copies':>13}{'MiB moved':>11}{'staging pages':>15}"
+    print(header)
+    print(
+        f"{'eviction only (no pass)':<26}{result['pages_freed_without_compaction']:>12}"
+        f"{0:>13}{0:>11.1f}{0:>15}"
+    )
+    for strategy, row_result in result["strategies"].items():
+        print(
+            f"{'compaction: ' + strategy:<26}{row_result['pages_freed']:>12}"
+            f"{row_result['slot_copies']:>13}{row_result['bytes_moved'] / 2**20:>11.1f}"
+            f"{row_result['staging_pages']:>15}"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sglang-evict",
+        description="Decode-time KV-cache token eviction for SGLang that returns real memory.",
+    )
+    parser.add_argument("--version", action="version", version=f"sglang-evict {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    simulate = commands.add_parser(
+        "simulate",
+        help="plan one pass over a synthetic request; show pages freed with and without compaction",
+        description="Score a synthetic request (random keys), select survivors under the "
+        "budget, and plan compaction with each strategy. Prints pages freed by eviction "
+        "alone and by each strategy, slot copies and bytes moved (bytes per slot from "
+        "--layers, --kv-heads, --head-dim, --dtype).",
+    )
+    simulate.add_argument("--tokens", type=int, default=16_000, help="cached tokens")
+    simulate.add_argument("--page-size", type=int, default=16, help="engine KV page size")
+    simulate.add_argument("--layers", type=int, default=32)
+    simulate.add_argument("--kv-heads", type=int, default=8)
+    simulate.add_argument("--head-dim", type=int, default=128)
+    simulate.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    simulate.add_argument("--seed", type=int, default=0)
+    simulate.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_policy_flags(simulate)
+    simulate.set_defaults(handler=_simulate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if getattr(args, "tokens", 1) < 1:
+        parser.error("--tokens must be >= 1")
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"sglang-evict {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

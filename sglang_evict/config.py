@@ -1,0 +1,111 @@
+"""One eviction policy's configuration: frozen, validated once, shared by every layer.
+
+The names follow the flags an SGLang user sees (``--kv-budget``, ``--kv-cadence``,
+``--kv-sink-tokens``, ``--kv-protected-tokens``, ``--kv-window``, ``--kv-scorer``,
+``--kv-compaction``) and the llama.cpp-style eviction vocabulary (sink tokens,
+protected system-prompt tokens, recent window).
+
+A pass runs for a request when its cached KV reaches ``kv_budget_tokens +
+cadence_tokens``; afterwards the request holds at most ``kv_budget_tokens`` tokens
+(more only when protected tokens alone exceed the budget, which the pass reports).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+COMPACTION_STRATEGIES = ("repack", "hole_fill")
+
+# Ranges a config must stay inside; errors quote them.
+MAX_SINK_TOKENS = 1 << 16
+MAX_PAGE_SIZE = 1 << 12
+
+
+def _require_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name}={value} is out of range; allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """Eviction policy for every request of one server.
+
+    Attributes:
+        kv_budget_tokens: tokens a request keeps after a pass (``--kv-budget``).
+        cadence_tokens: a pass runs once the request holds ``kv_budget_tokens +
+            cadence_tokens`` tokens (``--kv-cadence``); amortises the copy cost.
+        sink_tokens: first logical positions always kept, the attention sinks
+            (``--kv-sink-tokens``).
+        protected_tokens: further leading positions always kept, e.g. the system
+            prompt (``--kv-protected-tokens``).
+        window_tokens: most recent tokens always kept (``--kv-window``).
+        scorer: name of a registered scorer (``--kv-scorer``).
+        scorer_params: keyword parameters of that scorer; validated by the scorer.
+        evict_prompt: whether unshared prompt tokens may be evicted. Off by default:
+            only generated tokens are candidates. Shared prefix tokens are never
+            candidates, whatever this says.
+        compaction: ``repack`` (order-preserving) or ``hole_fill`` (fewest copies,
+            survivors tracked through a position map).
+        page_size: the engine's KV page size in tokens (taken from the engine).
+
+    How per-head scores combine into one keep-set per request is a scorer parameter
+    (``head_normalization``, ``head_reduction``; see ``sglang_evict.scorers.base``).
+    """
+
+    kv_budget_tokens: int
+    cadence_tokens: int = 128
+    sink_tokens: int = 4
+    protected_tokens: int = 0
+    window_tokens: int = 128
+    scorer: str = "knorm"
+    scorer_params: Mapping[str, Any] = field(default_factory=dict)
+    evict_prompt: bool = False
+    compaction: str = "hole_fill"
+    page_size: int = 1
+
+    def __post_init__(self) -> None:
+        _require_int("cadence_tokens", self.cadence_tokens, 1)
+        _require_int("sink_tokens", self.sink_tokens, 0, MAX_SINK_TOKENS)
+        _require_int("protected_tokens", self.protected_tokens, 0)
+        _require_int("window_tokens", self.window_tokens, 0)
+        _require_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
+        always_kept = self.sink_tokens + self.protected_tokens + self.window_tokens
+        _require_int("kv_budget_tokens", self.kv_budget_tokens, 1)
+        if self.kv_budget_tokens <= always_kept:
+            raise ValueError(
+                f"kv_budget_tokens={self.kv_budget_tokens} leaves no room to choose: it must "
+                f"exceed sink_tokens + protected_tokens + window_tokens = {always_kept} "
+                f"({self.sink_tokens} + {self.protected_tokens} + {self.window_tokens}); "
+                f"raise --kv-budget or lower --kv-window/--kv-sink-tokens/--kv-protected-tokens"
+            )
+        if not isinstance(self.evict_prompt, bool):
+            raise ValueError(f"evict_prompt must be true or false, got {self.evict_prompt!r}")
+        if self.compaction not in COMPACTION_STRATEGIES:
+            raise ValueError(
+                f"unknown compaction {self.compaction!r}; known: {list(COMPACTION_STRATEGIES)}"
+            )
+        if not isinstance(self.scorer_params, Mapping):
+            raise ValueError(f"scorer_params must be a mapping, got {type(self.scorer_params)}")
+        # Freeze the parameters too: a frozen dataclass holding a mutable dict is not frozen.
+        object.__setattr__(self, "scorer_params", MappingProxyType(dict(self.scorer_params)))
+        # Importing here keeps config importable without torch-heavy scorer modules loaded
+        # first; build_scorer validates the name and every parameter.
+        from sglang_evict.scorers import build_scorer
+
+        build_scorer(self.scorer, self.scorer_params)
+
+    @property
+    def trigger_tokens(self) -> int:
+        """KV length at which a request's pass runs."""
+        return self.kv_budget_tokens + self.cadence_tokens
+
+    def make_scorer(self):  # -> Scorer; typed loosely to keep the import lazy
+        from sglang_evict.scorers import build_scorer
+
+        return build_scorer(self.scorer, self.scorer_params)

@@ -1,0 +1,176 @@
+"""The scorer contract: ``score(view) -> float32[num_tokens]``, higher = keep.
+
+A scorer only scores. Protection of sinks, protected prefix, shared prefix and the
+recent window, the budget and the top-k all live in ``sglang_evict.selection``.
+
+Why one keep-set per request, not per head: SGLang stores every layer and head of a
+token in one slot index (``req_to_token`` maps a token to one slot of every layer's
+buffer), so a slot can only be freed when every head of every layer lets the token
+go. Per-head scores are therefore combined into one score per token:
+
+    per_head  [layers, heads, tokens]
+      -> normalise each (layer, head) row over tokens   (head_normalization)
+      -> reduce over layers and heads                   (head_reduction)
+      -> [tokens]
+
+``zscore`` normalisation puts heads with very different score scales (a sink-heavy
+head next to a diffuse one) on one footing before they vote; ``none`` keeps raw
+scores (needed when scores are meant to add up across passes, e.g. cumulative
+attention). ``mean`` keeps tokens most heads like; ``max`` keeps a token if any head
+needs it (fewer quality losses on specialised heads, less eviction headroom).
+
+Determinism: every reduction here runs in float32 in a fixed order on the view's
+device, so identical inputs give identical scores; selection breaks ties by index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+HEAD_NORMALIZATIONS = ("zscore", "none")
+HEAD_REDUCTIONS = ("mean", "max")
+_ZSCORE_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class KVView:
+    """What a scorer may read about one request's cache.
+
+    Tokens are listed in logical order (ascending ``positions``); the mechanism that
+    builds the view maps results back to physical slots.
+
+    Attributes:
+        keys: ``[layers, tokens, kv_heads, head_dim]`` cached keys, after RoPE (as the
+            KV pool stores them); any float dtype.
+        positions: int64 ``[tokens]``, each token's logical (RoPE) position.
+        current_position: logical position of the next token to be generated.
+        values: ``[layers, tokens, kv_heads, head_dim]``, for scorers that use values.
+        queries: ``[layers, window, q_heads, head_dim]`` recently captured queries (after
+            RoPE), oldest first; ``q_heads`` is a multiple of ``kv_heads`` (GQA).
+        query_positions: int64 ``[window]``, logical positions of those queries.
+        accumulated_scores: float32 ``[tokens]`` scores carried over from earlier passes
+            for cumulative scorers (H2O-style); owned by the mechanism.
+    """
+
+    keys: Tensor
+    positions: Tensor
+    current_position: int
+    values: Tensor | None = None
+    queries: Tensor | None = None
+    query_positions: Tensor | None = None
+    accumulated_scores: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.keys.dim() != 4:
+            raise ValueError(
+                f"keys must be [layers, tokens, kv_heads, head_dim], got shape "
+                f"{tuple(self.keys.shape)}"
+            )
+        num_layers, num_tokens, num_kv_heads, head_dim = self.keys.shape
+        if self.positions.shape != (num_tokens,):
+            raise ValueError(f"positions must be [{num_tokens}], got {tuple(self.positions.shape)}")
+        if self.values is not None and self.values.shape[:3] != self.keys.shape[:3]:
+            raise ValueError(
+                f"values shape {tuple(self.values.shape)} does not match keys "
+                f"{tuple(self.keys.shape)} in [layers, tokens, kv_heads]"
+            )
+        if self.queries is not None:
+            q = self.queries
+            if q.dim() != 4 or q.shape[0] != num_layers or q.shape[3] != head_dim:
+                raise ValueError(
+                    f"queries must be [{num_layers}, window, q_heads, {head_dim}], got "
+                    f"{tuple(q.shape)}"
+                )
+            if q.shape[2] % num_kv_heads != 0:
+                raise ValueError(
+                    f"q_heads={q.shape[2]} is not a multiple of kv_heads={num_kv_heads}"
+                )
+            if self.query_positions is None or self.query_positions.shape != (q.shape[1],):
+                raise ValueError("query_positions must be given as [window] with queries")
+        if self.accumulated_scores is not None and self.accumulated_scores.shape != (num_tokens,):
+            raise ValueError(
+                f"accumulated_scores must be [{num_tokens}], got "
+                f"{tuple(self.accumulated_scores.shape)}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keys.shape[1]
+
+
+def aggregate_head_scores(per_head: Tensor, normalization: str, reduction: str) -> Tensor:
+    """Combine ``[layers, heads, tokens]`` scores into one float32 ``[tokens]`` score."""
+    if per_head.dim() != 3:
+        raise ValueError(f"per-head scores must be [layers, heads, tokens], got {per_head.shape}")
+    scores = per_head.to(torch.float32)
+    if normalization == "zscore":
+        mean = scores.mean(dim=-1, keepdim=True)
+        std = scores.std(dim=-1, keepdim=True, unbiased=False)
+        scores = (scores - mean) / (std + _ZSCORE_EPS)
+    elif normalization != "none":
+        raise ValueError(
+            f"unknown head_normalization {normalization!r}; known: {HEAD_NORMALIZATIONS}"
+        )
+    flat = scores.reshape(-1, scores.shape[-1])
+    if reduction == "mean":
+        return flat.mean(dim=0)
+    if reduction == "max":
+        return flat.max(dim=0).values
+    raise ValueError(f"unknown head_reduction {reduction!r}; known: {HEAD_REDUCTIONS}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scorer:
+    """Base of every scorer: a frozen set of parameters and one ``score`` method.
+
+    Subclasses set ``name`` (the registry key, what ``--kv-scorer`` takes), say whether
+    they need captured queries, and implement ``head_scores`` (or ``score`` directly
+    when the signal is per token, not per head).
+    """
+
+    name: ClassVar[str]
+    needs_queries: ClassVar[bool] = False
+    head_normalization: str = "zscore"
+    head_reduction: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.head_normalization not in HEAD_NORMALIZATIONS:
+            raise ValueError(
+                f"unknown head_normalization {self.head_normalization!r}; "
+                f"known: {list(HEAD_NORMALIZATIONS)}"
+            )
+        if self.head_reduction not in HEAD_REDUCTIONS:
+            raise ValueError(
+                f"unknown head_reduction {self.head_reduction!r}; known: {list(HEAD_REDUCTIONS)}"
+            )
+
+    def head_scores(self, view: KVView) -> Tensor:
+        """``[layers, heads, tokens]`` scores, higher = keep."""
+        raise NotImplementedError
+
+    def score(self, view: KVView) -> Tensor:
+        """float32 ``[tokens]``, higher = keep."""
+        if self.needs_queries and view.queries is None:
+            raise ValueError(
+                f"scorer {self.name!r} needs captured queries, but the view has none; enable "
+                f"query capture or choose a score-free scorer (knorm, streaming, triattention)"
+            )
+        return aggregate_head_scores(
+            self.head_scores(view), self.head_normalization, self.head_reduction
+        )
+
+
+def expand_kv_heads(keys_layer: Tensor, num_q_heads: int) -> Tensor:
+    """``[tokens, kv_heads, D]`` -> ``[tokens, q_heads, D]`` by GQA group (no copy of data
+    beyond the expand view)."""
+    num_tokens, num_kv_heads, head_dim = keys_layer.shape
+    group = num_q_heads // num_kv_heads
+    return (
+        keys_layer.unsqueeze(2)
+        .expand(num_tokens, num_kv_heads, group, head_dim)
+        .reshape(num_tokens, num_q_heads, head_dim)
+    )

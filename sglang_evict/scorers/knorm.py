@@ -1,0 +1,23 @@
+"""``knorm``: keys with a low L2 norm are important (Devoto et al., "A Simple and
+Effective L2 Norm-Based Strategy for KV Cache Compression", EMNLP 2024).
+
+Score-free and FlashAttention-compatible: it reads only the cached keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from sglang_evict.scorers.base import KVView, Scorer
+
+
+@dataclass(frozen=True, kw_only=True)
+class KNormScorer(Scorer):
+    name = "knorm"
+
+    def head_scores(self, view: KVView) -> Tensor:
+        # [layers, tokens, kv_heads] -> [layers, kv_heads, tokens]; lower norm = keep.
+        norms = view.keys.float().norm(dim=-1)
+        return (-norms).transpose(1, 2)

@@ -1,0 +1,55 @@
+"""The sglang-evict console script, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from sglang_evict.cli import main
+
+
+def test_console_script_help_runs():
+    exe = shutil.which("sglang-evict")
+    command = [exe, "--help"] if exe else [sys.executable, "-m", "sglang_evict.cli", "--help"]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    assert "simulate" in result.stdout
+
+
+def test_simulate_shows_compaction_freeing_what_eviction_alone_cannot(capsys):
+    assert (
+        main(["simulate", "--tokens", "1600", "--kv-budget", "160", "--kv-window", "16", "--json"])
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert result["pages_before"] == 100 and result["survivors"] == 160
+    assert result["pages_freed_without_compaction"] < 90
+    for strategy in ("repack", "hole_fill"):
+        assert result["strategies"][strategy]["pages_freed"] == 90
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["simulate", "--kv-budget", "10"], "must exceed"),
+        (["simulate", "--kv-budget", "500", "--kv-scorer", "knrom"], "unknown scorer"),
+        (
+            [
+                "simulate",
+                "--kv-budget",
+                "500",
+                "--kv-scorer",
+                "triattention",
+                "--kv-scorer-stats",
+                "/nonexistent.safetensors",
+            ],
+            "does not exist",
+        ),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
