@@ -1,0 +1,89 @@
+"""The compactor contract and its in-process implementation.
+
+A compactor applies a batch of plans (many requests, one pass) to a KV pool: it checks
+every plan and the batch as a whole before any byte moves, then copies the slots. The
+scheduler commits rows and frees pages only after ``compact`` returns; see the
+planner's invariant 3 for why an interrupted copy leaves survivors intact.
+
+``InProcessCompactor`` (the embedded default) runs in the scheduler's process over the
+pool's own buffers. The gRPC sidecar will implement the same ``Compactor`` protocol.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from compactor_service.plan import CompactionPlan, PlanError
+from sglang_evict_kernels import repack_kv_reference
+
+KERNEL_TORCH_REFERENCE = "torch-reference"
+
+
+@dataclass(frozen=True)
+class CompactResult:
+    """What one ``compact`` call did."""
+
+    slots_moved: int
+    bytes_moved: int  # read + written, all layers, K and V
+    duration_s: float
+    kernel: str
+
+
+class Compactor(Protocol):
+    def compact(self, plans: Sequence[CompactionPlan]) -> CompactResult:
+        """Apply ``plans``; raise ``PlanError`` (and move nothing) if any is invalid."""
+        ...
+
+
+def validate_batch(plans: Sequence[CompactionPlan], num_slots: int) -> tuple[Tensor, Tensor]:
+    """Validate each plan and the batch; return the concatenated ``(src, dst)`` slots.
+
+    Across plans no slot may be written twice or both read and written: requests never
+    share private slots, so such an overlap means two plans disagree about ownership.
+    """
+    for index, plan in enumerate(plans):
+        try:
+            plan.validate_structure(num_slots=num_slots)
+        except PlanError as error:
+            raise PlanError(f"plan {index}: {error}") from None
+    if not plans:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, empty
+    src = torch.cat([p.src_slots for p in plans])
+    dst = torch.cat([p.dst_slots for p in plans])
+    if torch.unique(dst).numel() != dst.numel():
+        raise PlanError("two plans of one batch write the same slot")
+    if torch.isin(dst, src).any():
+        raise PlanError("a slot is read by one plan and written by another")
+    return src, dst
+
+
+class InProcessCompactor:
+    """Applies plans to per-layer K/V buffers with the torch reference repack."""
+
+    def __init__(self, k_buffers: Sequence[Tensor], v_buffers: Sequence[Tensor]) -> None:
+        if len(k_buffers) != len(v_buffers) or not k_buffers:
+            raise ValueError("need one K and one V buffer per layer (at least one layer)")
+        self.k_buffers = list(k_buffers)
+        self.v_buffers = list(v_buffers)
+        self.num_slots = min(b.shape[0] for b in (*self.k_buffers, *self.v_buffers))
+        self.bytes_per_slot = sum(
+            b[0].numel() * b.element_size() for b in (*self.k_buffers, *self.v_buffers)
+        )
+
+    def compact(self, plans: Sequence[CompactionPlan]) -> CompactResult:
+        start = time.perf_counter()
+        src, dst = validate_batch(plans, self.num_slots)
+        repack_kv_reference(self.k_buffers, self.v_buffers, src, dst)
+        return CompactResult(
+            slots_moved=int(src.numel()),
+            bytes_moved=2 * int(src.numel()) * self.bytes_per_slot,
+            duration_s=time.perf_counter() - start,
+            kernel=KERNEL_TORCH_REFERENCE,
+        )

@@ -1,0 +1,300 @@
+"""The eviction mechanism: owns per-request state and runs passes on a paged KV pool.
+
+Policy (scorers, ``select_survivors``, the planner) is pure; this module is where state
+changes: it reads a request's row, asks the policy what to keep, has the compactor move
+slots, commits the new row and frees pages. It talks to the engine only through the
+``KVPoolAccess`` protocol, which the SGLang adapter implements over SGLang's pools.
+
+Per-request state
+-----------------
+A request that never had a pass has no state: its row entry i holds logical position i.
+After a pass, ``compacted_positions`` holds the position of each of the first
+``compacted_len`` row entries; entries appended later (decode) continue from
+``next_position_at_compaction``:
+
+    row index:   0 .. compacted_len-1         | compacted_len .. kv_len-1
+    position:    compacted_positions[i]       | next_position_at_compaction + (i - compacted_len)
+
+so the next token's logical position is ``kv_len + position_offset`` with
+``position_offset = next_position_at_compaction - compacted_len``: the per-request
+offset added to SGLang's decode positions (which it derives from ``seq_lens``).
+
+Invariants (tests call ``check_request`` after every operation):
+    * positions are distinct and the appended tail is contiguous;
+    * every position of the row is < ``kv_len + position_offset``;
+    * ``first_evicted_position`` is the smallest logical position not in the row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from compactor_service.compactor import Compactor
+from sglang_evict.config import EvictionConfig
+from sglang_evict.planner import fresh_pages_needed, plan_compaction
+from sglang_evict.scorers import KVView
+from sglang_evict.selection import protected_mask, select_survivors
+
+
+class KVPoolAccess(Protocol):
+    """What the mechanism needs from the engine's pools (implemented by the adapter)."""
+
+    page_size: int
+
+    def read_row(self, req_pool_idx: int, length: int) -> Tensor:
+        """int64 slots ``[length]`` of the request's row."""
+        ...
+
+    def write_row(self, req_pool_idx: int, row: Tensor) -> None:
+        """Overwrite the first ``len(row)`` entries of the request's row."""
+        ...
+
+    def gather_keys(self, slots: Tensor) -> Tensor:
+        """float ``[layers, len(slots), kv_heads, head_dim]`` cached keys."""
+        ...
+
+    def alloc_pages(self, num_pages: int) -> Tensor | None:
+        """int64 page ids of ``num_pages`` fresh pages, or None if the pool is short."""
+        ...
+
+    def free_pages(self, pages: Tensor) -> None:
+        """Return pages (slots when the page size is 1) to the allocator."""
+        ...
+
+
+@dataclass
+class RequestState:
+    """Mechanism-owned eviction state of one running request (see module docstring)."""
+
+    compacted_positions: Tensor
+    next_position_at_compaction: int
+    first_evicted_position: int
+    num_passes: int = 0
+    tokens_evicted: int = 0
+
+    @property
+    def compacted_len(self) -> int:
+        return int(self.compacted_positions.numel())
+
+    @property
+    def position_offset(self) -> int:
+        return self.next_position_at_compaction - self.compacted_len
+
+    def positions(self, kv_len: int) -> Tensor:
+        """int64 logical position of each of the first ``kv_len`` row entries."""
+        if kv_len < self.compacted_len:
+            raise ValueError(f"kv_len {kv_len} is below the compacted length {self.compacted_len}")
+        tail = torch.arange(
+            self.next_position_at_compaction,
+            self.next_position_at_compaction + kv_len - self.compacted_len,
+            dtype=torch.int64,
+        )
+        return torch.cat([self.compacted_positions, tail])
+
+    def intact_prefix_len(self, kv_len: int) -> int:
+        """Length of the longest row prefix whose entry i holds position i: the part of
+        the row that still equals an uncompacted cache of the same tokens."""
+        positions = self.positions(kv_len)
+        mismatch = torch.nonzero(positions != torch.arange(kv_len), as_tuple=True)[0]
+        return int(mismatch[0]) if mismatch.numel() else kv_len
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """One request's pass, for metrics and traces."""
+
+    tokens_before: int
+    tokens_after: int
+    pages_freed: int
+    slot_copies: int
+    bytes_moved: int
+    duration_s: float
+    strategy: str
+    protected_over_budget: bool
+
+    @property
+    def tokens_evicted(self) -> int:
+        return self.tokens_before - self.tokens_after
+
+
+@dataclass
+class EvictionManager:
+    """Runs passes and keeps every running request's ``RequestState``, keyed by request id.
+
+    ``pool`` and ``compactor`` are the engine's; the manager never holds KV tensors.
+    """
+
+    config: EvictionConfig
+    pool: KVPoolAccess
+    compactor: Compactor
+    states: dict[str, RequestState] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.config.page_size != self.pool.page_size:
+            raise ValueError(
+                f"config page_size {self.config.page_size} != engine page size "
+                f"{self.pool.page_size}"
+            )
+        self.scorer = self.config.make_scorer()
+
+    # --- queries -------------------------------------------------------------------
+
+    def position_offset(self, rid: str) -> int:
+        state = self.states.get(rid)
+        return 0 if state is None else state.position_offset
+
+    def positions(self, rid: str, kv_len: int) -> Tensor:
+        state = self.states.get(rid)
+        return torch.arange(kv_len) if state is None else state.positions(kv_len)
+
+    def intact_prefix_len(self, rid: str, kv_len: int) -> int:
+        state = self.states.get(rid)
+        return kv_len if state is None else state.intact_prefix_len(kv_len)
+
+    def needs_pass(self, kv_len: int) -> bool:
+        return kv_len >= self.config.trigger_tokens
+
+    # --- state changes ---------------------------------------------------------------
+
+    def forget(self, rid: str) -> None:
+        """Drop a request's state (finish, abort, or retraction: a retracted request is
+        re-prefilled from its tokens, so its KV is regular again)."""
+        self.states.pop(rid, None)
+
+    def run_pass(
+        self,
+        rid: str,
+        req_pool_idx: int,
+        kv_len: int,
+        *,
+        num_shared: int,
+        prompt_len: int,
+    ) -> PassResult | None:
+        """Evict down to the budget and compact one request; None if nothing to evict.
+
+        Args:
+            rid: request id (state key).
+            req_pool_idx: the request's row in the request-to-token pool.
+            kv_len: entries of the row in use (the request's KV length).
+            num_shared: leading row entries owned by the radix tree (never touched).
+            prompt_len: prompt tokens; protected unless ``config.evict_prompt``.
+        """
+        start = time.perf_counter()
+        config = self.config
+        page_size = config.page_size
+        row = self.pool.read_row(req_pool_idx, kv_len)
+        positions = self.positions(rid, kv_len)
+        next_position = kv_len + self.position_offset(rid)
+
+        # Shared entries are frozen at page granularity; prompt tokens unless allowed.
+        frozen_len = min(-(-num_shared // page_size) * page_size, kv_len)
+        immovable = torch.zeros(kv_len, dtype=torch.bool)
+        immovable[:frozen_len] = True
+        pinned = immovable.clone()
+        if not config.evict_prompt:
+            pinned |= positions < prompt_len
+
+        # The scorer sees tokens in logical order.
+        order = torch.argsort(positions)
+        keys = self.pool.gather_keys(row[order])
+        view = KVView(keys=keys, positions=positions[order], current_position=next_position)
+        protected = protected_mask(
+            positions[order],
+            sink_tokens=config.sink_tokens,
+            protected_tokens=config.protected_tokens,
+            window_tokens=config.window_tokens,
+            pinned=pinned[order],
+        )
+        selection = select_survivors(self.scorer.score(view), config.kv_budget_tokens, protected)
+        survivors = torch.sort(order[selection.indices]).values
+        if survivors.numel() == kv_len:
+            return None
+
+        strategy, fresh = config.compaction, torch.zeros(0, dtype=torch.int64)
+        need = fresh_pages_needed(
+            row,
+            survivors,
+            page_size=page_size,
+            strategy=strategy,
+            positions=positions,
+            immovable=immovable,
+        )
+        if need:
+            allocated = self.pool.alloc_pages(need)
+            if allocated is None:  # pool too full for staging pages: this pass fills holes
+                strategy = "hole_fill"
+            else:
+                fresh = allocated
+        try:
+            plan = plan_compaction(
+                row,
+                survivors,
+                page_size=page_size,
+                strategy=strategy,
+                positions=positions,
+                immovable=immovable,
+                fresh_pages=fresh,
+            )
+            result = self.compactor.compact([plan])
+        except BaseException:
+            # Nothing was committed: the row and its survivors are intact (invariant 3);
+            # hand the staging pages back and let the caller decide.
+            if fresh.numel():
+                self.pool.free_pages(fresh)
+            raise
+        # Commit: only now does the row change and do pages return.
+        self.pool.write_row(req_pool_idx, plan.new_row)
+        self.pool.free_pages(plan.freed_pages)
+
+        evicted_positions = positions[~torch.isin(positions, plan.new_positions)]
+        previous = self.states.get(rid)
+        first_evicted = int(evicted_positions.min())
+        if previous is not None:
+            first_evicted = min(first_evicted, previous.first_evicted_position)
+        self.states[rid] = RequestState(
+            compacted_positions=plan.new_positions.clone(),
+            next_position_at_compaction=next_position,
+            first_evicted_position=first_evicted,
+            num_passes=(previous.num_passes if previous else 0) + 1,
+            tokens_evicted=(previous.tokens_evicted if previous else 0)
+            + kv_len
+            - plan.new_row.numel(),
+        )
+        return PassResult(
+            tokens_before=kv_len,
+            tokens_after=int(plan.new_row.numel()),
+            pages_freed=plan.num_pages_freed,
+            slot_copies=result.slots_moved,
+            bytes_moved=result.bytes_moved,
+            duration_s=time.perf_counter() - start,
+            strategy=strategy,
+            protected_over_budget=selection.protected_over_budget,
+        )
+
+    def check_request(self, rid: str, kv_len: int) -> None:
+        """Raise ``AssertionError`` if a request's state breaks the module's invariants."""
+        state = self.states.get(rid)
+        if state is None:
+            return
+        positions = state.positions(kv_len)
+        if torch.unique(positions).numel() != kv_len:
+            raise AssertionError(f"request {rid}: repeated logical positions")
+        if kv_len and int(positions.max()) >= kv_len + state.position_offset:
+            raise AssertionError(f"request {rid}: a position is beyond the next token's")
+        missing = set(range(kv_len + state.position_offset)) - set(positions.tolist())
+        if missing and min(missing) != state.first_evicted_position:
+            raise AssertionError(
+                f"request {rid}: first evicted position {state.first_evicted_position}, "
+                f"but {min(missing)} is missing"
+            )
+
+
+def batch_position_offsets(manager: EvictionManager, rids: Sequence[str]) -> Tensor:
+    """int64 per-request offsets to add to positions derived from ``seq_lens``."""
+    return torch.tensor([manager.position_offset(rid) for rid in rids], dtype=torch.int64)

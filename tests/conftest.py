@@ -1,0 +1,20 @@
+"""Test-session setup shared by every test module.
+
+Without a GPU, Triton kernels (SGLang's allocator kernels, ours) can only run under
+Triton's interpreter, which must be chosen before any kernel is decorated, i.e. before
+SGLang or our kernels are imported. On a CUDA machine the variable is left alone so
+kernels compile for real.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Tests never reach the network (CI has none): model weights are built locally.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
