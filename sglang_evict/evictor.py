@@ -72,6 +72,7 @@ class KVPoolAccess(Protocol):
 class RequestState:
     """Mechanism-owned eviction state of one running request (see module docstring)."""
 
+    req_pool_idx: int
     compacted_positions: Tensor
     next_position_at_compaction: int
     first_evicted_position: int
@@ -133,6 +134,8 @@ class EvictionManager:
     config: EvictionConfig
     pool: KVPoolAccess
     compactor: Compactor
+    num_request_rows: int
+    device: str | torch.device = "cpu"
     states: dict[str, RequestState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -142,6 +145,11 @@ class EvictionManager:
                 f"{self.pool.page_size}"
             )
         self.scorer = self.config.make_scorer()
+        # Position offset of the request occupying each request-pool row, on the engine's
+        # device: decode positions are ``seq_lens - 1 + offsets[req_pool_indices]``.
+        self.offsets_by_row = torch.zeros(
+            self.num_request_rows, dtype=torch.int64, device=self.device
+        )
 
     # --- queries -------------------------------------------------------------------
 
@@ -165,7 +173,15 @@ class EvictionManager:
     def forget(self, rid: str) -> None:
         """Drop a request's state (finish, abort, or retraction: a retracted request is
         re-prefilled from its tokens, so its KV is regular again)."""
-        self.states.pop(rid, None)
+        state = self.states.pop(rid, None)
+        if state is not None:
+            self.offsets_by_row[state.req_pool_idx] = 0
+
+    def decode_positions(self, req_pool_indices: Tensor, seq_lens: Tensor) -> Tensor:
+        """Logical positions of the tokens a decode batch generates: SGLang derives
+        ``seq_lens - 1`` (after its +1); each request adds its offset."""
+        base = (seq_lens - 1).clamp(min=0).to(torch.int64)
+        return base + self.offsets_by_row[req_pool_indices.to(self.offsets_by_row.device).long()]
 
     def run_pass(
         self,
@@ -186,6 +202,11 @@ class EvictionManager:
             prompt_len: prompt tokens; protected unless ``config.evict_prompt``.
         """
         start = time.perf_counter()
+        if not 0 <= req_pool_idx < self.offsets_by_row.numel():
+            raise ValueError(
+                f"req_pool_idx {req_pool_idx} outside the request pool [0, "
+                f"{self.offsets_by_row.numel()})"
+            )
         config = self.config
         page_size = config.page_size
         row = self.pool.read_row(req_pool_idx, kv_len)
@@ -257,7 +278,8 @@ class EvictionManager:
         first_evicted = int(evicted_positions.min())
         if previous is not None:
             first_evicted = min(first_evicted, previous.first_evicted_position)
-        self.states[rid] = RequestState(
+        state = RequestState(
+            req_pool_idx=req_pool_idx,
             compacted_positions=plan.new_positions.clone(),
             next_position_at_compaction=next_position,
             first_evicted_position=first_evicted,
@@ -266,6 +288,8 @@ class EvictionManager:
             + kv_len
             - plan.new_row.numel(),
         )
+        self.states[rid] = state
+        self.offsets_by_row[req_pool_idx] = state.position_offset
         return PassResult(
             tokens_before=kv_len,
             tokens_after=int(plan.new_row.numel()),

@@ -34,24 +34,33 @@ def installed_sglang_version() -> str | None:
         return None
 
 
-def check_sglang_version(installed: str | None = None) -> None:
-    """Raise ``RuntimeError`` unless the installed SGLang is the targeted release."""
-    installed = installed if installed is not None else installed_sglang_version()
+def version_problem(installed: str | None) -> str | None:
+    """Why the plugin cannot run against SGLang ``installed`` (None: not installed), or
+    None if it can."""
     if installed is None:
-        raise RuntimeError(
+        return (
             f"sglang-evict needs SGLang {SGLANG_VERSION_TARGET}, but SGLang is not installed; "
             f'install it with: pip install "sglang=={SGLANG_VERSION_TARGET}"'
         )
     if installed != SGLANG_VERSION_TARGET:
-        raise RuntimeError(
-            f"sglang-evict {__package__} was written against SGLang {SGLANG_VERSION_TARGET}, "
-            f"found {installed}; its internals differ between releases. Install "
+        return (
+            f"sglang-evict was written against SGLang {SGLANG_VERSION_TARGET}, found "
+            f"{installed}; its internals differ between releases. Install "
             f'"sglang=={SGLANG_VERSION_TARGET}" or an sglang-evict release for {installed}.'
         )
+    return None
 
 
-# Imports of SGLang internals stay below the version check's definition; importing this
-# module requires SGLang (the plugin's entry point checks the version first).
+def check_sglang_version() -> None:
+    """Raise ``RuntimeError`` unless the installed SGLang is the targeted release."""
+    problem = version_problem(installed_sglang_version())
+    if problem:
+        raise RuntimeError(problem)
+
+
+# Refuse to load against another release before touching any internal.
+check_sglang_version()
+
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
@@ -131,7 +140,13 @@ def make_manager(
     pool = SGLangPoolAccess(params.req_to_token_pool, allocator, allocator.get_kvcache())
     if compactor is None:
         compactor = InProcessCompactor(pool.k_buffers, pool.v_buffers)
-    return EvictionManager(config=config, pool=pool, compactor=compactor)
+    return EvictionManager(
+        config=config,
+        pool=pool,
+        compactor=compactor,
+        num_request_rows=params.req_to_token_pool.req_to_token.shape[0],
+        device=allocator.device,
+    )
 
 
 class EvictingRadixCache(RadixCache):
@@ -265,3 +280,236 @@ def run_pass_for_req(manager: EvictionManager, req) -> PassResult | None:
         req.kv_committed_len = result.tokens_after
         req.kv.kv_allocated_len = result.tokens_after
     return result
+
+
+# --- server integration: backend factory, hooks ------------------------------------------
+
+BACKEND_NAME = "sglang-evict"
+# The policy reaches SGLang's scheduler processes through the environment (they inherit
+# it from `sglang-evict serve`): a JSON object of EvictionConfig fields, page size excluded.
+CONFIG_ENV = "SGLANG_EVICT_CONFIG"
+HOOK_PREPARE_FOR_DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
+HOOK_FORWARD_BATCH_INIT = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+# Scorers whose survivors do not depend on this rank's KV heads (safe under TP > 1 before
+# scores are reduced across ranks).
+_RANK_INDEPENDENT_SCORERS = ("streaming", "random")
+
+
+class _Active:
+    """The manager of this process's evicting cache (one scheduler per process)."""
+
+    manager: EvictionManager | None = None
+    metrics = None
+
+
+def config_from_env(page_size: int, environ: dict | None = None) -> EvictionConfig:
+    """Read the policy that `sglang-evict serve` put in ``SGLANG_EVICT_CONFIG``."""
+    import json
+    import os
+
+    raw = (environ if environ is not None else os.environ).get(CONFIG_ENV)
+    if not raw:
+        raise ValueError(
+            f"--radix-cache-backend {BACKEND_NAME} needs an eviction policy: start the server "
+            f"with `sglang-evict serve --kv-budget N ...` (or set {CONFIG_ENV} to a JSON object "
+            f'such as {{"kv_budget_tokens": 2048}})'
+        )
+    try:
+        fields = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{CONFIG_ENV} is not valid JSON: {error}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{CONFIG_ENV} must hold a JSON object of eviction settings")
+    fields.pop("page_size", None)
+    try:
+        return EvictionConfig(**fields, page_size=page_size)
+    except TypeError as error:
+        raise ValueError(f"{CONFIG_ENV}: {error}") from None
+
+
+def unsupported_server_args(server_args, scorer: str | None = None) -> list[str]:
+    """Messages naming each SGLang flag this plugin cannot run with (empty if fine)."""
+    problems = []
+    refusals = (
+        (
+            "speculative_algorithm",
+            lambda v: v is not None,
+            "--speculative-algorithm",
+            "speculative decoding derives draft positions from KV lengths",
+        ),
+        (
+            "enable_mixed_chunk",
+            bool,
+            "--enable-mixed-chunk",
+            "mixed chunks recompute running requests' KV lengths from token counts",
+        ),
+        (
+            "enable_hierarchical_cache",
+            bool,
+            "--enable-hierarchical-cache",
+            "the host-memory tier would offload compacted rows as if they were token rows",
+        ),
+        (
+            "enable_streaming_session",
+            bool,
+            "--enable-streaming-session",
+            "streaming sessions restore KV lengths from token counts across turns",
+        ),
+        (
+            "strip_thinking_cache",
+            bool,
+            "--strip-thinking-cache",
+            "it also rewrites which KV a finished request hands to the tree",
+        ),
+        ("enable_lmcache", bool, "--enable-lmcache", "it selects its own radix cache"),
+        ("enable_flexkv", bool, "--enable-flexkv", "it selects its own radix cache"),
+        (
+            "kv_canary",
+            lambda v: v not in (None, "none"),
+            "--kv-canary",
+            "it verifies row i against token i",
+        ),
+        (
+            "pp_size",
+            lambda v: v is not None and v > 1,
+            "--pp-size > 1",
+            "pipeline stages would each need the same survivors",
+        ),
+        (
+            "disaggregation_mode",
+            lambda v: v not in (None, "null"),
+            "--disaggregation-mode",
+            "transferred KV assumes token rows",
+        ),
+    )
+    for attribute, is_set, flag, why in refusals:
+        if is_set(getattr(server_args, attribute, None)):
+            problems.append(f"{flag} is not supported with sglang-evict yet ({why}); remove it")
+    tp_size = getattr(server_args, "tp_size", 1) or 1
+    if tp_size > 1 and scorer is not None and scorer not in _RANK_INDEPENDENT_SCORERS:
+        problems.append(
+            f"--tp-size {tp_size} with --kv-scorer {scorer} is not supported yet (each rank "
+            f"holds different KV heads; scores are not reduced across ranks yet); use "
+            f"--kv-scorer streaming or --tp-size 1"
+        )
+    return problems
+
+
+def radix_cache_factory(ctx) -> EvictingRadixCache:
+    """The factory registered as ``--radix-cache-backend sglang-evict``."""
+    config = config_from_env(ctx.params.page_size)
+    problems = unsupported_server_args(ctx.server_args, config.scorer)
+    for flag, reason in (
+        (ctx.is_hybrid_swa, "sliding-window (hybrid SWA) models"),
+        (ctx.is_hybrid_ssm, "hybrid SSM/linear-attention models"),
+        (ctx.is_dsa, "DeepSeek sparse-attention models"),
+        (ctx.enable_hierarchical_cache, "--enable-hierarchical-cache"),
+    ):
+        if flag:
+            problems.append(f"sglang-evict does not support {reason} yet")
+    if problems:
+        raise ValueError("; ".join(problems))
+    cache = EvictingRadixCache(ctx.params, config)
+    _Active.manager = cache.evictor
+    if getattr(ctx.server_args, "enable_metrics", False):
+        from sglang_evict.metrics import EvictionMetrics
+
+        _Active.metrics = EvictionMetrics.create(config.scorer)
+    logger.info(
+        "sglang-evict active: budget=%d cadence=%d sinks=%d protected=%d window=%d scorer=%s "
+        "compaction=%s page_size=%d attention_backend=%s (unchanged by the plugin)",
+        config.kv_budget_tokens,
+        config.cadence_tokens,
+        config.sink_tokens,
+        config.protected_tokens,
+        config.window_tokens,
+        config.scorer,
+        config.compaction,
+        config.page_size,
+        getattr(ctx.server_args, "attention_backend", None),
+    )
+    return cache
+
+
+def _wait_for_inflight_forward(device) -> None:
+    """Scoring reads, and compaction moves, KV that the previous (overlapped) forward
+    may still be writing: wait for the device first. A full synchronize, paid once per
+    pass (every cadence tokens per request), not per decode step."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
+    """Run due passes for a decode batch and shrink its KV lengths (the work of the
+    ``prepare_for_decode`` hook, before SGLang allocates the decode slots).
+
+    A request is compacted only from its second decode step on: under the overlap
+    scheduler its prompt enters the radix tree (``cache_unfinished_req``) after the
+    first decode batch is launched. Batch length tensors are replaced, never edited in
+    place: the in-flight forward still reads the old ones.
+    """
+    reqs = batch.reqs
+    due = [
+        i
+        for i, req in enumerate(reqs)
+        if req.decode_batch_idx >= 1 and manager.needs_pass(req.kv_committed_len)
+    ]
+    if not due:
+        return []
+    _wait_for_inflight_forward(batch.seq_lens.device)
+    shrink = torch.zeros(len(reqs), dtype=torch.int64)
+    results = []
+    for i in due:
+        try:
+            result = run_pass_for_req(manager, reqs[i])
+        except (ValueError, RuntimeError) as error:
+            # Validation failed before any byte moved: serve on with the full KV.
+            logger.error("sglang-evict: pass for request %s failed: %s", reqs[i].rid, error)
+            if _Active.metrics is not None:
+                _Active.metrics.record_failure(manager.config.compaction)
+            continue
+        if result is None:
+            continue
+        shrink[i] = result.tokens_evicted
+        results.append(result)
+        if _Active.metrics is not None:
+            _Active.metrics.record(result, manager.config.kv_budget_tokens)
+    if results:
+        batch.seq_lens = batch.seq_lens - shrink.to(batch.seq_lens.device)
+        if batch.seq_lens_cpu is not None:
+            batch.seq_lens_cpu = batch.seq_lens_cpu - shrink
+        if batch.orig_seq_lens is not None:
+            batch.orig_seq_lens = batch.orig_seq_lens - shrink.to(batch.orig_seq_lens.device)
+        batch.seq_lens_sum = None
+    return results
+
+
+def _before_prepare_for_decode(batch, *args, **kwargs):
+    cache = batch.tree_cache
+    if isinstance(cache, EvictingRadixCache) and batch.spec_algorithm.is_none():
+        compact_decode_batch(cache.evictor, batch)
+    return None  # arguments unchanged
+
+
+def _after_forward_batch_init_new(forward_batch, *args, **kwargs):
+    manager = _Active.manager
+    if manager is not None and forward_batch.forward_mode.is_decode():
+        forward_batch.positions = manager.decode_positions(
+            forward_batch.req_pool_indices, forward_batch.seq_lens
+        ).to(forward_batch.positions.device)
+    return forward_batch
+
+
+def install() -> None:
+    """Register the radix-cache backend and the hooks (idempotent)."""
+    from sglang.srt.mem_cache.registry import (
+        register_radix_cache_backend,
+        registered_radix_cache_backends,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if BACKEND_NAME in registered_radix_cache_backends():
+        return
+    register_radix_cache_backend(BACKEND_NAME, radix_cache_factory)
+    HookRegistry.register(HOOK_PREPARE_FOR_DECODE, _before_prepare_for_decode, HookType.BEFORE)
+    HookRegistry.register(HOOK_FORWARD_BATCH_INIT, _after_forward_batch_init_new, HookType.AFTER)

@@ -3,8 +3,9 @@ MHATokenToKVPool, the registered radix cache) through the calls its scheduler ma
 on CPU tensors, with the plugin's pass in between.
 
 Calls mirrored from SGLang 0.5.17's scheduler: ``match_prefix`` + ``inc_lock_ref`` at
-admission, ``ReqToTokenPool.alloc``, the allocator's ``alloc_extend`` (prefill) and
-``alloc_decode`` (each decode step; or ``alloc`` with page size 1), row writes, and
+admission, ``ReqToTokenPool.alloc``, the allocator's ``alloc_extend`` (prefill),
+``maybe_cache_unfinished_req`` once the prefill is done (the prompt enters the tree),
+``alloc_decode`` for each decode batch (``alloc`` with page size 1), row writes, and
 ``release_kv_cache`` at finish. KV content is synthetic but traceable: the K/V rows
 written for a token encode (token id, logical position, layer), so any slot can be
 checked against the token and position it must hold.
@@ -14,27 +15,32 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
-from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
+from sglang.srt.managers.schedule_batch import Req, ReqKvInfo, ScheduleBatch
+from sglang.srt.mem_cache.allocation import alloc_for_decode
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.common import release_kv_cache
+from sglang.srt.mem_cache.common import maybe_cache_unfinished_req, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.runtime_context import publish
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.sglang_adapter import EvictingRadixCache, free_slots, run_pass_for_req
+from sglang_evict.sglang_adapter import EvictingRadixCache, compact_decode_batch, free_slots
 
 NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 2, 8
 
 # SGLang's release path reads process-wide server args (speculative algorithm, thinking
 # cache); a scheduler publishes them at start, so the harness does too.
 publish(ServerArgs(model_path="dummy", device="cpu"), role="test")
+# What ScheduleBatch and alloc_for_decode read of the model config (a decoder-only LM).
+_MODEL_CONFIG = SimpleNamespace(vocab_size=32_000, is_encoder_decoder=False)
 
 
 def kv_rows(token_id: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +61,9 @@ class Engine:
     num_tokens: int = 8192
     max_requests: int = 64
     max_context: int = 2048
-    pass_log: list = field(default_factory=list)
+    pass_log: list = field(default_factory=list)  # (rid, PassResult)
+    # (tokens the plans freed, tokens the allocator gained) per decode batch with passes
+    free_log: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         p = self.page_size
@@ -80,7 +88,7 @@ class Engine:
         self.req_to_token_pool = ReqToTokenPool(
             self.max_requests, self.max_context, "cpu", enable_memory_saver=False
         )
-        params = CacheInitParams(
+        self.cache_params = params = CacheInitParams(
             disable=False,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.allocator,
@@ -120,6 +128,12 @@ class Engine:
             self._write_kv(int(row[position]), prompt[position], position)
         req.kv_committed_len = n_total
         req.kv = ReqKvInfo(kv_allocated_len=n_total, swa_evicted_seqlen=0)
+        # After the prefill's result is processed, the scheduler inserts the prompt into
+        # the tree (maybe_cache_unfinished_req): its page-aligned part becomes tree-owned
+        # and locked by this request, and cache_protected_len moves to its end.
+        req._refresh_fill_ids()
+        req.set_extend_range(n_prefix, n_total)
+        maybe_cache_unfinished_req(req, self.cache)
         self.running[rid] = req
         return req
 
@@ -128,35 +142,52 @@ class Engine:
         return self.decode_batch([req], [token_id])[0]
 
     def decode_batch(self, reqs: list[Req], token_ids: list[int]) -> list:
-        """One decode step of a batch, as ``ScheduleBatch.prepare_for_decode`` does it: the
-        plugin's pass per request (the hook runs first), then one decode allocation for
-        the whole batch, row writes at ``seq_lens``, and each new token's KV written at
-        its logical position (what the model's attention does)."""
-        results = []
-        for req in reqs:
-            result = None
-            if isinstance(self.cache, EvictingRadixCache):
-                free_before = self.free_token_count()
-                result = run_pass_for_req(self.cache.evictor, req)
-                if result is not None:
-                    delta = self.free_token_count() - free_before
-                    self.pass_log.append((req.rid, result, delta))
-            results.append(result)
-        seq_lens = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
-        pool_rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        if self.page_size == 1:
-            slots = self.allocator.alloc(len(reqs))
+        """One decode step of a batch, as the scheduler runs it: a real ``ScheduleBatch``
+        holding the running requests, the plugin's ``prepare_for_decode`` hook, SGLang's
+        own ``alloc_for_decode`` (allocation + row write), the counters
+        ``prepare_for_decode`` advances, and each new token's KV written at the position
+        the ``ForwardBatch.init_new`` hook computes (what the model's attention does)."""
+        batch = ScheduleBatch.init_new(
+            reqs,
+            self.req_to_token_pool,
+            self.allocator,
+            self.cache,
+            _MODEL_CONFIG,
+            enable_overlap=False,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+        )
+        lens = [r.kv_committed_len for r in reqs]
+        batch.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        batch.seq_lens = torch.tensor(lens, dtype=torch.int64)
+        batch.seq_lens_cpu = torch.tensor(lens, dtype=torch.int64)
+        batch.orig_seq_lens = torch.tensor(lens, dtype=torch.int32)
+        results: list = [None] * len(reqs)
+        if isinstance(self.cache, EvictingRadixCache):
+            free_before = self.free_token_count()
+            passes = iter(compact_decode_batch(self.cache.evictor, batch))
+            for i, req in enumerate(reqs):
+                if req.kv_committed_len != lens[i]:
+                    results[i] = next(passes)
+                    self.pass_log.append((req.rid, results[i]))
+            planned = sum(r.pages_freed for r in results if r is not None) * self.page_size
+            if planned:
+                self.free_log.append((planned, self.free_token_count() - free_before))
+            assert torch.equal(batch.seq_lens, torch.tensor([r.kv_committed_len for r in reqs]))
+        out_cache_loc = alloc_for_decode(batch, token_per_req=1)
+        assert out_cache_loc is not None, "pool exhausted"
+        for req in reqs:  # what prepare_for_decode advances after allocating
+            req.decode_batch_idx += 1
+            req.kv_committed_len += 1
+        seq_lens_after = batch.seq_lens + 1
+        if isinstance(self.cache, EvictingRadixCache):
+            positions = self.cache.evictor.decode_positions(batch.req_pool_indices, seq_lens_after)
         else:
-            last_loc = self.req_to_token_pool.req_to_token[pool_rows, seq_lens - 1].to(torch.int64)
-            slots = self.allocator.alloc_decode(seq_lens + 1, seq_lens + 1, last_loc)
-        assert slots is not None, "pool exhausted"
-        self.req_to_token_pool.write((pool_rows, seq_lens), slots.to(torch.int32))
-        for req, slot, token_id in zip(reqs, slots.tolist(), token_ids, strict=True):
-            position = req.kv_committed_len + self.position_offset(req)
+            positions = seq_lens_after - 1
+        for slot, token_id, position, req in zip(
+            out_cache_loc.tolist(), token_ids, positions.tolist(), reqs, strict=True
+        ):
             self._write_kv(slot, token_id, position)
             req.output_ids.append(token_id)
-            req.kv_committed_len += 1
-            req.kv.kv_allocated_len += 1
         return results
 
     def finish(self, req: Req) -> None:

@@ -1,0 +1,218 @@
+"""The SGLang plugin's integration points: entry point, backend registration, hooks,
+startup refusals, configuration from the environment, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.server_args import ServerArgs
+
+from sglang_evict import metrics as metric_names
+from sglang_evict.config import EvictionConfig
+from sglang_evict.metrics import EvictionMetrics
+from sglang_evict.sglang_adapter import (
+    CONFIG_ENV,
+    SGLANG_VERSION_TARGET,
+    EvictingRadixCache,
+    _Active,
+    _after_forward_batch_init_new,
+    check_sglang_version,
+    config_from_env,
+    radix_cache_factory,
+    unsupported_server_args,
+    version_problem,
+)
+from tests.sglang_harness import Engine
+
+
+def test_entry_point_registers_backend_and_hooks_in_a_fresh_sglang_process():
+    """What SGLang's scheduler process does at start: load_plugins() via entry points."""
+    script = textwrap.dedent(
+        """
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        load_plugins()  # idempotent
+        import sglang_evict.plugin as plugin
+        plugin.register()  # and so is register()
+        from sglang.srt.mem_cache.registry import registered_radix_cache_backends
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+        print(registered_radix_cache_backends().count("sglang-evict"))
+        print(hasattr(ScheduleBatch.prepare_for_decode, "__wrapped__"))
+        print(hasattr(ForwardBatch.init_new, "__wrapped__"))
+        """
+    )
+    env = {**os.environ, "SGLANG_PLUGINS": "sglang_evict"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["1", "True", "True"]
+
+
+def test_importing_the_plugin_module_has_no_side_effects():
+    script = (
+        "import sys, sglang_evict.plugin; "
+        "print('sglang_evict.sglang_adapter' in sys.modules, 'sglang' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.stdout.split() == ["False", "False"]
+
+
+def test_other_sglang_versions_are_refused_with_the_fix():
+    problem = version_problem("0.5.23")
+    assert f"written against SGLang {SGLANG_VERSION_TARGET}, found 0.5.23" in problem
+    assert f'"sglang=={SGLANG_VERSION_TARGET}"' in problem
+    assert "not installed" in version_problem(None)
+    assert version_problem(SGLANG_VERSION_TARGET) is None
+    check_sglang_version()  # the installed release is the targeted one
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (dict(speculative_algorithm="EAGLE"), "--speculative-algorithm"),
+        (dict(enable_mixed_chunk=True), "--enable-mixed-chunk"),
+        (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
+        (dict(strip_thinking_cache=True), "--strip-thinking-cache"),
+        (dict(pp_size=2), "--pp-size"),
+        (dict(kv_canary="log"), "--kv-canary"),
+        (dict(tp_size=2), "--tp-size 2 with --kv-scorer knorm"),
+    ],
+)
+def test_unsupported_flag_combinations_are_refused_naming_the_flag(flags, named):
+    server_args = ServerArgs(model_path="dummy", device="cpu", **flags)
+    problems = unsupported_server_args(server_args, scorer="knorm")
+    assert len(problems) == 1 and named in problems[0]
+
+
+def test_supported_flags_pass_and_tp_is_fine_for_position_only_scorers():
+    assert unsupported_server_args(ServerArgs(model_path="dummy", device="cpu"), "knorm") == []
+    tp2 = ServerArgs(model_path="dummy", device="cpu", tp_size=2)
+    assert unsupported_server_args(tp2, scorer="streaming") == []
+
+
+def test_config_from_environment():
+    config = config_from_env(16, {CONFIG_ENV: json.dumps({"kv_budget_tokens": 512})})
+    assert (config.kv_budget_tokens, config.page_size) == (512, 16)
+    with pytest.raises(ValueError, match="sglang-evict serve --kv-budget"):
+        config_from_env(16, {})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        config_from_env(16, {CONFIG_ENV: "{"})
+    with pytest.raises(ValueError, match="unexpected keyword argument 'kv_budjet'"):
+        config_from_env(16, {CONFIG_ENV: json.dumps({"kv_budjet": 1})})
+    with pytest.raises(ValueError, match="kv_budget_tokens=10"):
+        config_from_env(16, {CONFIG_ENV: json.dumps({"kv_budget_tokens": 10})})
+
+
+def build_context(engine: Engine, server_args: ServerArgs, **overrides) -> TreeCacheBuildContext:
+    values = dict(
+        server_args=server_args,
+        params=engine.cache_params,
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        enable_hierarchical_cache=False,
+        disable_radix_cache=False,
+        effective_chunked_prefill_size=None,
+        tp_worker=None,
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+    )
+    values.update(overrides)
+    return TreeCacheBuildContext(**values)
+
+
+def test_backend_factory_builds_the_evicting_cache(monkeypatch):
+    engine = Engine(page_size=16)
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({"kv_budget_tokens": 256, "scorer": "streaming"}))
+    monkeypatch.setattr(_Active, "manager", None)
+    cache = radix_cache_factory(build_context(engine, ServerArgs(model_path="dummy", device="cpu")))
+    assert isinstance(cache, EvictingRadixCache)
+    assert cache.evictor.config.page_size == 16 and _Active.manager is cache.evictor
+
+
+def test_backend_factory_refuses_hybrid_models_and_bad_flags(monkeypatch):
+    engine = Engine(page_size=16)
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({"kv_budget_tokens": 256}))
+    server_args = ServerArgs(model_path="dummy", device="cpu", enable_mixed_chunk=True)
+    with pytest.raises(
+        ValueError,
+        match=r"--enable-mixed-chunk.*sliding-window",
+    ):
+        radix_cache_factory(build_context(engine, server_args, is_hybrid_swa=True))
+
+
+def test_forward_batch_hook_adds_each_requests_position_offset(monkeypatch):
+    config = EvictionConfig(
+        kv_budget_tokens=64, cadence_tokens=16, window_tokens=16, scorer="streaming", page_size=1
+    )
+    engine = Engine(page_size=1, config=config)
+    req = engine.add_request("a", list(range(40)))
+    for step in range(60):
+        engine.decode_step(req, step)
+    offset = engine.position_offset(req)
+    assert offset > 0
+    monkeypatch.setattr(_Active, "manager", engine.cache.evictor)
+    seq_lens = torch.tensor([req.kv_committed_len + 1, 5])
+    forward_batch = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=2,
+        input_ids=torch.zeros(2, dtype=torch.int64),
+        req_pool_indices=torch.tensor([req.req_pool_idx, 7]),
+        seq_lens=seq_lens,
+        out_cache_loc=torch.zeros(2, dtype=torch.int64),
+        seq_lens_sum=int(seq_lens.sum()),
+        positions=seq_lens - 1,
+    )
+    _after_forward_batch_init_new(forward_batch)
+    # The evicted request decodes at its true position; the other is untouched.
+    assert forward_batch.positions.tolist() == [40 + 60, 4]
+    forward_batch.forward_mode = ForwardMode.EXTEND
+    forward_batch.positions = torch.tensor([0, 1])
+    _after_forward_batch_init_new(forward_batch)
+    assert forward_batch.positions.tolist() == [0, 1]
+
+
+def test_metrics_count_what_the_passes_did():
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    recorder = EvictionMetrics.create("knorm", registry=registry)
+    config = EvictionConfig(kv_budget_tokens=64, cadence_tokens=16, window_tokens=16, page_size=16)
+    engine = Engine(page_size=16, config=config)
+    req = engine.add_request("a", list(range(40)))
+    for step in range(100):
+        engine.decode_step(req, step)
+    for _, result in engine.pass_log:
+        recorder.record(result, config.kv_budget_tokens)
+    labels = {"strategy": "hole_fill", "scorer": "knorm"}
+
+    def value(name, **extra):
+        return registry.get_sample_value(name, {**labels, **extra})
+
+    results = [r for _, r in engine.pass_log]
+    assert value(metric_names.PASSES_TOTAL) == len(results) > 0
+    assert value(metric_names.PAGES_FREED_TOTAL) == sum(r.pages_freed for r in results)
+    assert value(metric_names.TOKENS_EVICTED_TOTAL) == sum(r.tokens_evicted for r in results)
+    assert value(metric_names.SLOT_COPIES_TOTAL) == sum(r.slot_copies for r in results)
+    assert value(metric_names.BYTES_MOVED_TOTAL) == sum(r.bytes_moved for r in results)
+    assert value(metric_names.PASS_DURATION_SECONDS + "_count") == len(results)
+    occupancy = registry.get_sample_value(
+        metric_names.BUDGET_OCCUPANCY_RATIO + "_count", {"scorer": "knorm"}
+    )
+    assert occupancy == len(results)
+
+
+def test_metric_names_never_reuse_sglangs_namespace():
+    names = [v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)]
+    assert len(names) == 8 and all(name.startswith("sglang_evict:") for name in names)
