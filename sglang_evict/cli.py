@@ -3,6 +3,8 @@
 Subcommands:
     simulate   plan one eviction pass over a synthetic request and print what eviction
                alone and each compaction strategy return to a paged allocator.
+    demo       generate on CPU with a small Llama-architecture model through SGLang's real
+               memory classes and the plugin; print each pass and the KV held vs a full cache.
 """
 
 from __future__ import annotations
@@ -29,9 +31,15 @@ SCORE_LAYERS = 2  # random keys: more layers would only cost memory, not change 
 SCORE_KV_HEADS = 2
 
 
-def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
-    """The eviction flags, named as ``sglang-evict serve`` will take them."""
-    parser.add_argument("--kv-budget", type=int, required=True, help="tokens kept after a pass")
+def _add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None = None) -> None:
+    """The eviction flags, named as ``sglang-evict serve`` takes them."""
+    parser.add_argument(
+        "--kv-budget",
+        type=int,
+        required=default_budget is None,
+        default=default_budget,
+        help="tokens kept after a pass",
+    )
     parser.add_argument("--kv-cadence", type=int, default=128, help="tokens between passes")
     parser.add_argument("--kv-sink-tokens", type=int, default=4, help="attention sinks kept")
     parser.add_argument("--kv-protected-tokens", type=int, default=0, help="e.g. system prompt")
@@ -141,6 +149,93 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _use_triton_interpreter_without_gpu() -> None:
+    """SGLang's allocator kernels are Triton; without a GPU they run only under Triton's
+    interpreter, which must be chosen before SGLang is imported."""
+    import os
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    _use_triton_interpreter_without_gpu()
+    from tqdm import tqdm
+
+    from sglang_evict.reference_loop import GenerationRequest, generate
+    from sglang_evict.reference_model import PagedLlama, build_tiny_llama
+    from sglang_evict.sglang_adapter import MemoryDriver
+
+    config = _config_from_args(args)
+    hf_model = build_tiny_llama(seed=args.seed)
+    model_config = hf_model.config
+    page_size = config.page_size
+    num_slots = args.requests * (args.prompt_tokens + args.new_tokens + 2 * page_size) + 64
+
+    def make_driver(policy):
+        return MemoryDriver(
+            page_size=page_size,
+            num_tokens=-(-num_slots // page_size) * page_size,
+            num_layers=model_config.num_hidden_layers,
+            num_kv_heads=model_config.num_key_value_heads,
+            head_dim=model_config.hidden_size // model_config.num_attention_heads,
+            config=policy,
+            max_context=args.prompt_tokens + args.new_tokens + 8,
+        )
+
+    generator = torch.Generator().manual_seed(args.seed)
+    vocab = model_config.vocab_size
+    system = torch.randint(vocab, (args.prompt_tokens // 2,), generator=generator).tolist()
+    requests = [
+        GenerationRequest(
+            f"r{i}",
+            system
+            + torch.randint(
+                vocab, (args.prompt_tokens - len(system),), generator=generator
+            ).tolist(),
+            args.new_tokens,
+        )
+        for i in range(args.requests)
+    ]
+    print(
+        f"demo: {args.requests} requests sharing a {len(system)}-token system prompt, "
+        f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens each; page size "
+        f"{page_size}, budget {config.kv_budget_tokens}, cadence {config.cadence_tokens}, "
+        f"scorer {config.scorer}, compaction {config.compaction}"
+    )
+    model = PagedLlama(hf_model)
+    bar = tqdm(total=args.new_tokens, desc="with eviction", unit="step", leave=False)
+    shown = [0]
+
+    def on_step(step: int, result) -> None:
+        bar.update(1)
+        for rid, at, done in result.passes[shown[0] :]:
+            bar.write(
+                f"step {at:>5}  {rid:<4} pass: {done.tokens_before} -> {done.tokens_after} "
+                f"tokens, evicted {done.tokens_evicted}, pages freed {done.pages_freed}, "
+                f"slot copies {done.slot_copies}"
+            )
+        shown[0] = len(result.passes)
+
+    evicting = generate(make_driver(config), model, requests, on_step=on_step)
+    bar.close()
+    bar = tqdm(total=args.new_tokens, desc="full cache (no plugin)", unit="step", leave=False)
+    full = generate(make_driver(None), model, requests, on_step=lambda *_: bar.update(1))
+    bar.close()
+    passes = [p for _, _, p in evicting.passes]
+    print(
+        f"passes {len(passes)}, tokens evicted {sum(p.tokens_evicted for p in passes)}, "
+        f"pages freed {sum(p.pages_freed for p in passes)}"
+    )
+    held, held_full = max(evicting.held_tokens), max(full.held_tokens)
+    print(
+        f"peak KV held (running requests + radix tree): {held} tokens "
+        f"({-(-held // page_size)} pages) with eviction vs {held_full} tokens "
+        f"({-(-held_full // page_size)} pages) without: {held / held_full:.2f} of the full cache"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sglang-evict",
@@ -166,6 +261,22 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_policy_flags(simulate)
     simulate.set_defaults(handler=_simulate)
+
+    demo = commands.add_parser(
+        "demo",
+        help="generate on CPU through SGLang's memory classes with eviction; show the memory",
+        description="Greedy generation on CPU with a small random-weight Llama-architecture "
+        "model (built from a seed) whose attention reads and writes SGLang's real paged KV "
+        "pool, with the radix cache on and the plugin evicting and compacting as it does in "
+        "a server. Prints each pass and, at the end, the peak KV held vs a full cache.",
+    )
+    demo.add_argument("--requests", type=int, default=4, help="concurrent requests")
+    demo.add_argument("--prompt-tokens", type=int, default=64)
+    demo.add_argument("--new-tokens", type=int, default=512)
+    demo.add_argument("--page-size", type=int, default=16, help="KV page size")
+    demo.add_argument("--seed", type=int, default=0)
+    _add_policy_flags(demo, default_budget=256)
+    demo.set_defaults(handler=_demo)
     return parser
 
 
@@ -175,8 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    if getattr(args, "tokens", 1) < 1:
-        parser.error("--tokens must be >= 1")
+    for name in ("tokens", "requests", "prompt_tokens", "new_tokens"):
+        if getattr(args, name, 1) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
         return args.handler(args)
     except (ValueError, FileNotFoundError) as error:

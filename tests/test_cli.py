@@ -53,3 +53,14 @@ def test_simulate_shows_compaction_freeing_what_eviction_alone_cannot(capsys):
 def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_demo_generates_with_eviction_and_holds_less_than_a_full_cache(capsys):
+    argv = ["demo", "--requests", "2", "--prompt-tokens", "24", "--new-tokens", "160",
+            "--kv-budget", "64", "--kv-cadence", "32", "--kv-window", "16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "pass: 96 -> 64 tokens, evicted 32" in out  # budget + cadence -> budget
+    summary = out.strip().splitlines()[-1]
+    held, full = (int(part.split(" tokens")[0].split()[-1]) for part in summary.split(" vs "))
+    assert held < full
