@@ -56,8 +56,21 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
 
 
 def test_demo_generates_with_eviction_and_holds_less_than_a_full_cache(capsys):
-    argv = ["demo", "--requests", "2", "--prompt-tokens", "24", "--new-tokens", "160",
-            "--kv-budget", "64", "--kv-cadence", "32", "--kv-window", "16"]
+    argv = [
+        "demo",
+        "--requests",
+        "2",
+        "--prompt-tokens",
+        "24",
+        "--new-tokens",
+        "160",
+        "--kv-budget",
+        "64",
+        "--kv-cadence",
+        "32",
+        "--kv-window",
+        "16",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "pass: 96 -> 64 tokens, evicted 32" in out  # budget + cadence -> budget
