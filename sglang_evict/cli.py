@@ -5,6 +5,8 @@ Subcommands:
                alone and each compaction strategy return to a paged allocator.
     demo       generate on CPU with a small Llama-architecture model through SGLang's real
                memory classes and the plugin; print each pass and the KV held vs a full cache.
+    serve      start SGLang (``sglang.launch_server``) with the plugin: eviction flags are
+               validated, unsupported SGLang flags refused, before anything starts.
 """
 
 from __future__ import annotations
@@ -236,6 +238,57 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
+    import os
+    import subprocess
+
+    page_size = 1
+    for i, flag in enumerate(sglang_argv):
+        if flag == "--page-size" and i + 1 < len(sglang_argv):
+            page_size = int(sglang_argv[i + 1])
+        elif flag.startswith("--page-size="):
+            page_size = int(flag.split("=", 1)[1])
+        elif flag == "--radix-cache-backend" or flag.startswith("--radix-cache-backend="):
+            raise ValueError(
+                "sglang-evict serve selects --radix-cache-backend itself; remove that flag"
+            )
+    args.page_size = page_size
+    config = _config_from_args(args)  # our flags first: nothing of SGLang is loaded yet
+    _use_triton_interpreter_without_gpu()
+    from sglang_evict.sglang_adapter import (
+        BACKEND_NAME,
+        CONFIG_ENV,
+        parse_server_args,
+        unsupported_server_args,
+    )
+
+    try:
+        server_args = parse_server_args(sglang_argv)
+    except SystemExit as error:  # argparse already printed what was wrong
+        return int(error.code or 2)
+    problems = unsupported_server_args(server_args, config.scorer)
+    if getattr(server_args, "disable_radix_cache", False):
+        problems.append(
+            "--disable-radix-cache turns off the cache sglang-evict works inside; remove it"
+        )
+    if problems:
+        raise ValueError("; ".join(problems))
+    command = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        *sglang_argv,
+        "--radix-cache-backend",
+        BACKEND_NAME,
+    ]
+    env = {**os.environ, CONFIG_ENV: config.to_json()}
+    if args.dry_run:
+        print(f"{CONFIG_ENV}={config.to_json()}")
+        print(" ".join(command))
+        return 0
+    return subprocess.call(command, env=env)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sglang-evict",
@@ -277,12 +330,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     _add_policy_flags(demo, default_budget=256)
     demo.set_defaults(handler=_demo)
+
+    serve = commands.add_parser(
+        "serve",
+        help="start SGLang with eviction; other flags go to sglang.launch_server",
+        description="Start an SGLang server (sglang.launch_server) with the plugin's radix "
+        "cache backend. Eviction flags below are validated first; every other flag is passed "
+        "to SGLang, whose own parser checks it, and flags sglang-evict cannot run with are "
+        "refused by name before the server starts.",
+    )
+    _add_policy_flags(serve)
+    serve.add_argument(
+        "--dry-run", action="store_true", help="validate, print the command, start nothing"
+    )
+    serve.set_defaults(handler=_serve, passes_through=True)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "passes_through", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command is None:
         parser.print_help()
         return 0
@@ -290,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
+        if getattr(args, "passes_through", False):
+            return args.handler(args, rest)
         return args.handler(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"sglang-evict {args.command}: error: {error}", file=sys.stderr)

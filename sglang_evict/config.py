@@ -100,6 +100,15 @@ class EvictionConfig:
 
         build_scorer(self.scorer, self.scorer_params)
 
+    def to_json(self) -> str:
+        """The policy as the JSON object ``sglang-evict serve`` hands to SGLang's processes
+        (page size excluded: each process takes it from its engine)."""
+        import json
+
+        fields = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "page_size"}
+        fields["scorer_params"] = dict(self.scorer_params)
+        return json.dumps(fields, sort_keys=True)
+
     @property
     def trigger_tokens(self) -> int:
         """KV length at which a request's pass runs."""

@@ -395,6 +395,13 @@ def unsupported_server_args(server_args, scorer: str | None = None) -> list[str]
     return problems
 
 
+def parse_server_args(argv: list[str]):
+    """SGLang's own parsing of ``sglang.launch_server`` arguments into ``ServerArgs``."""
+    from sglang.srt.server_args import prepare_server_args
+
+    return prepare_server_args(list(argv))
+
+
 def radix_cache_factory(ctx) -> EvictingRadixCache:
     """The factory registered as ``--radix-cache-backend sglang-evict``."""
     config = config_from_env(ctx.params.page_size)
