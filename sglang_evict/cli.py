@@ -7,6 +7,8 @@ Subcommands:
                memory classes and the plugin; print each pass and the KV held vs a full cache.
     serve      start SGLang (``sglang.launch_server``) with the plugin: eviction flags are
                validated, unsupported SGLang flags refused, before anything starts.
+    calibrate  compute the triattention scorer's per-head query statistics from an
+               HF-format model and a text file.
 """
 
 from __future__ import annotations
@@ -289,6 +291,47 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
     return subprocess.call(command, env=env)
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from sglang_evict.calibrate import calibrate, tokenize_text
+    from sglang_evict.scorers.triattention_stats import save_stats
+
+    model_path, text_path, out = Path(args.model_path), Path(args.text), Path(args.out)
+    if not (model_path / "config.json").is_file():
+        raise FileNotFoundError(f"{model_path} is not an HF-format model folder (no config.json)")
+    if not text_path.is_file():
+        raise FileNotFoundError(f"text file {text_path} does not exist")
+    if out.suffix not in (".safetensors", ".json"):
+        raise ValueError(f"--out {out} must end in .safetensors or .json")
+    text = text_path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"text file {text_path} is empty")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    token_ids = tokenize_text(model_path, text, model.config.vocab_size, args.byte_tokens)
+    if args.max_tokens:
+        token_ids = token_ids[: args.max_tokens]
+    chunks = -(-token_ids.numel() // args.chunk_tokens)
+    print(f"calibrating on {token_ids.numel()} tokens in {chunks} chunks of {args.chunk_tokens}")
+
+    def progress(starts):
+        return tqdm(starts, desc="calibration chunks", unit="chunk")
+
+    stats = calibrate(model, token_ids, chunk_tokens=args.chunk_tokens, progress=progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_stats(stats, out)
+    print(
+        f"wrote {out}: {stats.num_layers} layers x {stats.num_heads} heads x "
+        f"{stats.head_dim // 2} frequencies, rope_style {stats.rope_style}, "
+        f"rope_theta {stats.rope_theta:g}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sglang-evict",
@@ -344,6 +387,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="validate, print the command, start nothing"
     )
     serve.set_defaults(handler=_serve, passes_through=True)
+
+    cal = commands.add_parser(
+        "calibrate",
+        help="compute triattention query statistics from an HF model and a text",
+        description="Run an HF-format causal LM over a text and write the per-(layer, head) "
+        "pre-RoPE query statistics the triattention scorer reads (--kv-scorer-stats).",
+    )
+    cal.add_argument("--model-path", required=True, help="HF-format model folder")
+    cal.add_argument("--text", required=True, help="UTF-8 text file")
+    cal.add_argument("--out", required=True, help="stats file (.safetensors or .json)")
+    cal.add_argument("--chunk-tokens", type=int, default=512, help="tokens per forward")
+    cal.add_argument("--max-tokens", type=int, default=0, help="use at most this many tokens")
+    cal.add_argument(
+        "--byte-tokens",
+        action="store_true",
+        help="use the text's UTF-8 bytes as token ids (models without a tokenizer)",
+    )
+    cal.set_defaults(handler=_calibrate)
     return parser
 
 
@@ -355,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    for name in ("tokens", "requests", "prompt_tokens", "new_tokens"):
+    for name in ("tokens", "requests", "prompt_tokens", "new_tokens", "chunk_tokens"):
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
