@@ -53,6 +53,8 @@ class EvictionConfig:
         compaction: ``repack`` (order-preserving) or ``hole_fill`` (fewest copies,
             survivors tracked through a position map).
         page_size: the engine's KV page size in tokens (taken from the engine).
+        query_window_tokens: how many of a request's latest queries (per layer) are kept
+            for scorers that read queries (``window``, ``rkv``).
 
     How per-head scores combine into one keep-set per request is a scorer parameter
     (``head_normalization``, ``head_reduction``; see ``sglang_evict.scorers.base``).
@@ -68,6 +70,7 @@ class EvictionConfig:
     evict_prompt: bool = False
     compaction: str = "hole_fill"
     page_size: int = 1
+    query_window_tokens: int = 32
 
     def __post_init__(self) -> None:
         _require_int("cadence_tokens", self.cadence_tokens, 1)
@@ -75,6 +78,7 @@ class EvictionConfig:
         _require_int("protected_tokens", self.protected_tokens, 0)
         _require_int("window_tokens", self.window_tokens, 0)
         _require_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
+        _require_int("query_window_tokens", self.query_window_tokens, 1, 4096)
         always_kept = self.sink_tokens + self.protected_tokens + self.window_tokens
         _require_int("kv_budget_tokens", self.kv_budget_tokens, 1)
         if self.kv_budget_tokens <= always_kept:

@@ -106,6 +106,36 @@ class RequestState:
         return int(mismatch[0]) if mismatch.numel() else kv_len
 
 
+class QueryRing:
+    """The latest ``capacity`` queries of one request, every layer (post-RoPE), with
+    their logical positions: what query-reading scorers see."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.queries: Tensor | None = None  # [layers, capacity, q_heads, head_dim]
+        self.positions = torch.zeros(capacity, dtype=torch.int64)
+        self.count = 0
+
+    def append(self, queries: Tensor, positions: Tensor) -> None:
+        """Add ``queries`` ``[layers, tokens, q_heads, head_dim]`` at ``positions``."""
+        if self.queries is None:
+            layers, _, heads, dim = queries.shape
+            self.queries = torch.zeros(layers, self.capacity, heads, dim, dtype=queries.dtype)
+        for t in range(max(0, queries.shape[1] - self.capacity), queries.shape[1]):
+            at = self.count % self.capacity
+            self.queries[:, at] = queries[:, t].to(self.queries.dtype)
+            self.positions[at] = int(positions[t])
+            self.count += 1
+
+    def ordered(self) -> tuple[Tensor, Tensor]:
+        """(queries ``[layers, n, q_heads, head_dim]``, positions ``[n]``), oldest first."""
+        if self.queries is None:
+            raise ValueError("no queries captured")
+        n = min(self.count, self.capacity)
+        order = (torch.arange(n) + (self.count - n)) % self.capacity
+        return self.queries[:, order], self.positions[order]
+
+
 @dataclass(frozen=True)
 class PassResult:
     """One request's pass, for metrics and traces."""
@@ -137,6 +167,7 @@ class EvictionManager:
     num_request_rows: int
     device: str | torch.device = "cpu"
     states: dict[str, RequestState] = field(default_factory=dict)
+    query_rings: dict[str, QueryRing] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.config.page_size != self.pool.page_size:
@@ -174,8 +205,17 @@ class EvictionManager:
         """Drop a request's state (finish, abort, or retraction: a retracted request is
         re-prefilled from its tokens, so its KV is regular again)."""
         state = self.states.pop(rid, None)
+        self.query_rings.pop(rid, None)
         if state is not None:
             self.offsets_by_row[state.req_pool_idx] = 0
+
+    def record_queries(self, rid: str, queries: Tensor, positions: Tensor) -> None:
+        """Keep a request's latest queries (``[layers, tokens, q_heads, head_dim]``, after
+        RoPE) for query-reading scorers; written from the attention forward."""
+        ring = self.query_rings.get(rid)
+        if ring is None:
+            ring = self.query_rings[rid] = QueryRing(self.config.query_window_tokens)
+        ring.append(queries, positions)
 
     def decode_positions(self, req_pool_indices: Tensor, seq_lens: Tensor) -> Tensor:
         """Logical positions of the tokens a decode batch generates: SGLang derives
@@ -224,7 +264,23 @@ class EvictionManager:
         # The scorer sees tokens in logical order.
         order = torch.argsort(positions)
         keys = self.pool.gather_keys(row[order])
-        view = KVView(keys=keys, positions=positions[order], current_position=next_position)
+        queries = query_positions = None
+        if self.scorer.needs_queries:
+            ring = self.query_rings.get(rid)
+            if ring is None or ring.count == 0:
+                raise ValueError(
+                    f"scorer {self.scorer.name!r} needs the request's captured queries, but "
+                    f"none were recorded for {rid}; query capture must run in the attention"
+                )
+            queries, query_positions = ring.ordered()
+            queries = queries.to(keys.device)
+        view = KVView(
+            keys=keys,
+            positions=positions[order],
+            current_position=next_position,
+            queries=queries,
+            query_positions=query_positions,
+        )
         protected = protected_mask(
             positions[order],
             sink_tokens=config.sink_tokens,

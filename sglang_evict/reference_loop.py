@@ -52,6 +52,17 @@ def generate(
     """Run ``requests`` to ``max_new_tokens`` each (greedy) and return what happened."""
     kv = KVBuffers(k=driver.kv_pool.k_buffer, v=driver.kv_pool.v_buffer)
     result = GenerationResult()
+    manager = driver.evictor
+    capture = manager is not None and manager.scorer.needs_queries
+
+    def forward(rid, tokens, positions, *rest, **kwargs):
+        """The model forward; feeds the plugin's query capture when the scorer reads queries."""
+        captured: list[Tensor] | None = [] if capture else None
+        logits = model.forward(tokens, positions, *rest, capture_queries=captured, **kwargs)
+        if captured:
+            manager.record_queries(rid, torch.stack(captured), positions)
+        return logits
+
     pending = sorted(requests, key=lambda r: r.arrival_step)
     running: dict[str, tuple] = {}  # rid -> (req, GenerationRequest, decode steps so far)
     step = 0
@@ -60,7 +71,8 @@ def generate(
             spec = pending.pop(0)
             req, prefix_len, slots = driver.admit(spec.rid, spec.prompt)
             length = len(spec.prompt)
-            logits = model.forward(
+            logits = forward(
+                spec.rid,
                 torch.tensor(spec.prompt[prefix_len:]),
                 torch.arange(prefix_len, length),
                 slots,
@@ -86,7 +98,8 @@ def generate(
             if attend_masks is not None:
                 allowed = torch.isin(context_positions, attend_masks[req.rid][decoded])
             result.attended[req.rid].append(context_positions.clone())
-            logits = model.forward(
+            logits = forward(
+                req.rid,
                 torch.tensor([req.output_ids[-1]]),
                 positions[i : i + 1],
                 slots[i : i + 1],

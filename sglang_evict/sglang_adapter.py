@@ -406,6 +406,12 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
     """The factory registered as ``--radix-cache-backend sglang-evict``."""
     config = config_from_env(ctx.params.page_size)
     problems = unsupported_server_args(ctx.server_args, config.scorer)
+    if config.make_scorer().needs_queries:
+        problems.append(
+            f"--kv-scorer {config.scorer} reads queries captured inside the attention "
+            f"forward, which the server path does not capture yet; use knorm, streaming "
+            f"or triattention"
+        )
     for flag, reason in (
         (ctx.is_hybrid_swa, "sliding-window (hybrid SWA) models"),
         (ctx.is_hybrid_ssm, "hybrid SSM/linear-attention models"),

@@ -152,6 +152,17 @@ def test_backend_factory_refuses_hybrid_models_and_bad_flags(monkeypatch):
         radix_cache_factory(build_context(engine, server_args, is_hybrid_swa=True))
 
 
+@pytest.mark.parametrize("scorer", ["window", "rkv"])
+def test_backend_refuses_query_reading_scorers_until_the_server_captures_queries(
+    monkeypatch, scorer
+):
+    engine = Engine(page_size=16)
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({"kv_budget_tokens": 256, "scorer": scorer}))
+    server_args = ServerArgs(model_path="dummy", device="cpu")
+    with pytest.raises(ValueError, match=f"--kv-scorer {scorer} reads queries captured"):
+        radix_cache_factory(build_context(engine, server_args))
+
+
 def test_forward_batch_hook_adds_each_requests_position_offset(monkeypatch):
     config = EvictionConfig(
         kv_budget_tokens=64, cadence_tokens=16, window_tokens=16, scorer="streaming", page_size=1
