@@ -16,5 +16,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# SGLang's own memory checks, which the harness runs after every operation: the
+# busy-time pool accounting and the KV page (use-after-free / double-free) check.
+os.environ.setdefault("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY", "1")
+os.environ.setdefault("SGLANG_CHECK_KV_PAGE_INVARIANTS", "1")
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
