@@ -723,6 +723,16 @@ class MemoryDriver:
         release_kv_cache(req, self.cache)
         del self.running[req.rid]
 
+    def retract(self, req) -> None:
+        """What ``ScheduleBatch.retract_decode`` does to a request (``release_req``): free
+        its KV without inserting it into the tree and reset it for a later re-prefill of
+        its prompt and output tokens."""
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        release_kv_cache(req, self.cache, is_insert=False)
+        req.reset_for_retract()
+        del self.running[req.rid]
+
     def row(self, req) -> Tensor:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len].long()
 

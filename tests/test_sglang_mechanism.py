@@ -163,3 +163,29 @@ def test_two_hundred_mixed_requests_leak_nothing(page_size, strategy):
     total = engine.free_token_count() + engine.cache.evictable_size()
     assert engine.cache.protected_size() == 0
     assert total == engine.num_tokens
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_retracted_evicted_request_is_forgotten_and_re_prefills_at_regular_positions(page_size):
+    engine = evicting(page_size)
+    req = engine.add_request("a", list(range(100, 140)))
+    for step in range(120):
+        engine.decode_step(req, 1000 + step)
+    manager = engine.cache.evictor
+    assert "a" in manager.states and manager.position_offset("a") > 0
+    row = req.req_pool_idx
+    tokens = list(req.origin_input_ids) + list(req.output_ids)
+    engine.driver.retract(req)
+    engine.check()
+    assert "a" not in manager.states and manager.offsets_by_row[row] == 0
+    # Nothing of the compacted request entered the tree; all its private KV is free.
+    assert engine.free_token_count() + engine.cache.evictable_size() == engine.num_tokens
+    # Re-prefilled from its tokens, it holds regular KV and evicts again later.
+    again = engine.add_request("a", tokens)
+    assert engine.position_offset(again) == 0
+    for step in range(80):
+        engine.decode_step(again, 5000 + step)
+        engine.check()
+    assert engine.position_offset(again) > 0
+    engine.finish(again)
+    engine.check()
