@@ -39,6 +39,50 @@ def kv_rows(token_id: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
+def sglang_checker(driver: MemoryDriver) -> SchedulerInvariantChecker:
+    """SGLang's own scheduler invariant checker over a driver's real components; its
+    'last batch' is a ScheduleBatch of the running requests (after a decode step the
+    scheduler's last and running batch are one object)."""
+    reqs = list(driver.running.values())
+    batch = None
+    if reqs:
+        batch = ScheduleBatch.init_new(
+            reqs,
+            driver.req_to_token_pool,
+            driver.allocator,
+            driver.cache,
+            SimpleNamespace(vocab_size=1 << 20, is_encoder_decoder=False),
+            enable_overlap=False,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+        )
+
+    def running_batch():
+        return batch
+
+    common = dict(
+        tree_cache=driver.cache,
+        token_to_kv_pool_allocator=driver.allocator,
+        req_to_token_pool=driver.req_to_token_pool,
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        full_tokens_per_layer=None,
+        swa_tokens_per_layer=None,
+        max_total_num_tokens=driver.num_tokens,
+        get_last_batch=running_batch,
+        get_running_batch=running_batch,
+    )
+    observer = SchedulerPoolStatsObserver(
+        session_controller=None, hisparse_coordinator=None, enable_hisparse=False, **common
+    )
+    return SchedulerInvariantChecker(
+        disaggregation_mode=DisaggregationMode.NULL,
+        page_size=driver.page_size,
+        server_args=get_server_args(),
+        pool_stats_observer=observer,
+        **common,
+    )
+
+
 @dataclass
 class Engine:
     page_size: int
@@ -108,42 +152,11 @@ class Engine:
     def free_token_count(self) -> int:
         return self.driver.free_tokens()
 
-    def sglang_checker(self) -> SchedulerInvariantChecker:
-        """SGLang's own scheduler invariant checker over this engine's real components;
-        its 'last batch' is a ScheduleBatch of the running requests."""
-
-        reqs = list(self.running.values())
-        batch = None
-        if reqs:  # after a decode step the scheduler's last and running batch are one object
-            batch = ScheduleBatch.init_new(
-                reqs, self.driver.req_to_token_pool, self.allocator, self.cache,
-                SimpleNamespace(vocab_size=1 << 20, is_encoder_decoder=False),
-                enable_overlap=False, spec_algorithm=SpeculativeAlgorithm.NONE,
-            )
-
-        def running_batch():
-            return batch
-
-        common = dict(
-            tree_cache=self.cache, token_to_kv_pool_allocator=self.allocator,
-            req_to_token_pool=self.driver.req_to_token_pool, is_hybrid_swa=False,
-            is_hybrid_ssm=False, full_tokens_per_layer=None, swa_tokens_per_layer=None,
-            max_total_num_tokens=self.num_tokens, get_last_batch=running_batch,
-            get_running_batch=running_batch,
-        )
-        observer = SchedulerPoolStatsObserver(
-            session_controller=None, hisparse_coordinator=None, enable_hisparse=False, **common
-        )
-        return SchedulerInvariantChecker(
-            disaggregation_mode=DisaggregationMode.NULL, page_size=self.page_size,
-            server_args=get_server_args(), pool_stats_observer=observer, **common,
-        )
-
     def check(self) -> None:
         """Every invariant, after every operation: SGLang's own busy-time memory check
         and KV page check, the cache's, each request's state, the KV each request reads,
         and global slot accounting (nothing leaked or shared)."""
-        self.sglang_checker().self_check_during_busy()
+        sglang_checker(self.driver).self_check_during_busy()
         p = self.page_size
         if isinstance(self.cache, EvictingRadixCache):
             self.cache.check_invariants()
