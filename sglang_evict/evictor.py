@@ -28,7 +28,7 @@ Invariants (tests call ``check_request`` after every operation):
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -166,6 +166,9 @@ class EvictionManager:
     compactor: Compactor
     num_request_rows: int
     device: str | torch.device = "cpu"
+    # Combines this rank's per-token scores with the other tensor-parallel ranks' (each
+    # holds different KV heads) so every rank keeps the same survivors; None: one rank.
+    score_reducer: Callable[[Tensor], Tensor] | None = None
     states: dict[str, RequestState] = field(default_factory=dict)
     query_rings: dict[str, QueryRing] = field(default_factory=dict)
 
@@ -288,7 +291,10 @@ class EvictionManager:
             window_tokens=config.window_tokens,
             pinned=pinned[order],
         )
-        selection = select_survivors(self.scorer.score(view), config.kv_budget_tokens, protected)
+        scores = self.scorer.score(view)
+        if self.score_reducer is not None:
+            scores = self.score_reducer(scores)
+        selection = select_survivors(scores, config.kv_budget_tokens, protected)
         survivors = torch.sort(order[selection.indices]).values
         if survivors.numel() == kv_len:
             return None

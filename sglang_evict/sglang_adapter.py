@@ -290,9 +290,10 @@ BACKEND_NAME = "sglang-evict"
 CONFIG_ENV = "SGLANG_EVICT_CONFIG"
 HOOK_PREPARE_FOR_DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
 HOOK_FORWARD_BATCH_INIT = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
-# Scorers whose survivors do not depend on this rank's KV heads (safe under TP > 1 before
-# scores are reduced across ranks).
+# Scorers whose survivors do not depend on this rank's KV heads, and those whose
+# per-rank scores are reduced across tensor-parallel ranks (``tp_score_reducer``).
 _RANK_INDEPENDENT_SCORERS = ("streaming", "random")
+_TP_REDUCED_SCORERS = ("knorm",)
 
 
 class _Active:
@@ -386,11 +387,12 @@ def unsupported_server_args(server_args, scorer: str | None = None) -> list[str]
         if is_set(getattr(server_args, attribute, None)):
             problems.append(f"{flag} is not supported with sglang-evict yet ({why}); remove it")
     tp_size = getattr(server_args, "tp_size", 1) or 1
-    if tp_size > 1 and scorer is not None and scorer not in _RANK_INDEPENDENT_SCORERS:
+    supported_under_tp = _RANK_INDEPENDENT_SCORERS + _TP_REDUCED_SCORERS
+    if tp_size > 1 and scorer is not None and scorer not in supported_under_tp:
         problems.append(
             f"--tp-size {tp_size} with --kv-scorer {scorer} is not supported yet (each rank "
-            f"holds different KV heads; scores are not reduced across ranks yet); use "
-            f"--kv-scorer streaming or --tp-size 1"
+            f"holds different KV heads and this scorer's per-rank inputs are not split "
+            f"yet); use --kv-scorer {' or '.join(supported_under_tp)}, or --tp-size 1"
         )
     return problems
 
@@ -400,6 +402,29 @@ def parse_server_args(argv: list[str]):
     from sglang.srt.server_args import prepare_server_args
 
     return prepare_server_args(list(argv))
+
+
+def tp_score_reducer(group, head_reduction: str):
+    """Combine per-token scores across the tensor-parallel ranks sharing requests.
+
+    Each rank scores its own KV heads (an equal share); its per-token score is the mean
+    (or max) over those heads, so the mean of the ranks' means is the mean over all heads,
+    and the max of maxima the max. Runs on SGLang's CPU group for the cache
+    (``tp_cache_group``): one all-reduce of ``num_tokens`` floats per pass.
+    """
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size(group)
+    op = dist.ReduceOp.MAX if head_reduction == "max" else dist.ReduceOp.SUM
+
+    def reduce(scores: Tensor) -> Tensor:
+        combined = scores.detach().to("cpu", torch.float32).clone()
+        dist.all_reduce(combined, op=op, group=group)
+        if head_reduction != "max":
+            combined /= world_size
+        return combined.to(scores.device)
+
+    return reduce
 
 
 def radix_cache_factory(ctx) -> EvictingRadixCache:
@@ -423,6 +448,14 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
     if problems:
         raise ValueError("; ".join(problems))
     cache = EvictingRadixCache(ctx.params, config)
+    if ctx.tp_size > 1 and config.scorer in _TP_REDUCED_SCORERS:
+        if ctx.params.tp_cache_group is None:
+            raise ValueError(
+                "tensor parallelism without a CPU cache group: cannot agree on survivors"
+            )
+        cache.evictor.score_reducer = tp_score_reducer(
+            ctx.params.tp_cache_group, cache.evictor.scorer.head_reduction
+        )
     _Active.manager = cache.evictor
     if getattr(ctx.server_args, "enable_metrics", False):
         from sglang_evict.metrics import EvictionMetrics

@@ -85,7 +85,6 @@ def test_other_sglang_versions_are_refused_with_the_fix():
         (dict(strip_thinking_cache=True), "--strip-thinking-cache"),
         (dict(pp_size=2), "--pp-size"),
         (dict(kv_canary="log"), "--kv-canary"),
-        (dict(tp_size=2), "--tp-size 2 with --kv-scorer knorm"),
     ],
 )
 def test_unsupported_flag_combinations_are_refused_naming_the_flag(flags, named):
@@ -94,10 +93,13 @@ def test_unsupported_flag_combinations_are_refused_naming_the_flag(flags, named)
     assert len(problems) == 1 and named in problems[0]
 
 
-def test_supported_flags_pass_and_tp_is_fine_for_position_only_scorers():
+def test_supported_flags_pass_and_tp_needs_a_scorer_whose_ranks_can_agree():
     assert unsupported_server_args(ServerArgs(model_path="dummy", device="cpu"), "knorm") == []
     tp2 = ServerArgs(model_path="dummy", device="cpu", tp_size=2)
-    assert unsupported_server_args(tp2, scorer="streaming") == []
+    for scorer in ("streaming", "random", "knorm"):  # rank-independent or reduced across ranks
+        assert unsupported_server_args(tp2, scorer=scorer) == []
+    (problem,) = unsupported_server_args(tp2, scorer="triattention")
+    assert "--tp-size 2 with --kv-scorer triattention is not supported" in problem
 
 
 def test_config_from_environment():

@@ -1,0 +1,104 @@
+"""Tensor parallelism: ranks hold different KV heads but must keep identical survivors.
+
+Two real processes joined in a gloo group (SGLang's cache group is a gloo CPU group),
+each with its own SGLang memory classes holding half of the KV heads, run the same
+request through the plugin with the cross-rank score reduction; a single process
+holding all heads is the reference.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import torch
+
+NUM_LAYERS, HEAD_DIM, GLOBAL_KV_HEADS, PAGE_SIZE = 2, 8, 4, 16
+PROMPT = list(range(3, 11))  # short: most survivors are chosen by score
+NEW_TOKENS = 150
+
+
+def global_keys(token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(token * 7919 + position)
+    shape = (NUM_LAYERS, GLOBAL_KV_HEADS, HEAD_DIM)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+def run_request(heads: slice, reducer=None) -> list[list[int]]:
+    """Decode one request; return the logical positions kept after each pass."""
+    from sglang_evict.config import EvictionConfig
+    from sglang_evict.sglang_adapter import MemoryDriver
+
+    config = EvictionConfig(
+        kv_budget_tokens=48,
+        cadence_tokens=16,
+        window_tokens=16,
+        scorer="knorm",
+        page_size=PAGE_SIZE,
+    )
+    driver = MemoryDriver(
+        page_size=PAGE_SIZE,
+        num_tokens=2048,
+        num_layers=NUM_LAYERS,
+        num_kv_heads=heads.stop - heads.start,
+        head_dim=HEAD_DIM,
+        config=config,
+    )
+    driver.evictor.score_reducer = reducer
+
+    def write(slot: int, token: int, position: int) -> None:
+        k, v = global_keys(token, position)
+        for layer in range(NUM_LAYERS):
+            driver.kv_pool.k_buffer[layer][slot] = k[layer, heads]
+            driver.kv_pool.v_buffer[layer][slot] = v[layer, heads]
+
+    req, prefix_len, slots = driver.admit("a", PROMPT)
+    for position, slot in zip(range(prefix_len, len(PROMPT)), slots.tolist(), strict=True):
+        write(slot, PROMPT[position], position)
+    driver.prefill_done(req)
+    kept = []
+    for step in range(NEW_TOKENS):
+        token = (step * 37) % 251
+        slots, positions, passes = driver.prepare_decode([req])
+        if passes[0] is not None:
+            kept.append(sorted(driver.positions(req).tolist()))
+        write(int(slots[0]), token, int(positions[0]))
+        req.output_ids.append(token)
+    return kept
+
+
+def rank_main(rank: int, world_size: int, init_file: str, results) -> None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # spawned: conftest did not run here
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    from sglang_evict.sglang_adapter import tp_score_reducer
+
+    share = GLOBAL_KV_HEADS // world_size
+    heads = slice(rank * share, (rank + 1) * share)
+    results.put((rank, run_request(heads, tp_score_reducer(dist.group.WORLD, "mean"))))
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_ranks_keep_the_survivors_of_a_single_rank_with_all_heads(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    world_size = 2
+    init_file = str(tmp_path / "gloo-init")
+    workers = [
+        context.Process(target=rank_main, args=(rank, world_size, init_file, results))
+        for rank in range(world_size)
+    ]
+    for worker in workers:
+        worker.start()
+    kept_by_rank = dict(results.get(timeout=600) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=60)
+        assert worker.exitcode == 0
+    reference = run_request(slice(0, GLOBAL_KV_HEADS))
+    assert len(reference) >= 3
+    assert kept_by_rank[0] == kept_by_rank[1] == reference
+    # Without the reduction, each rank alone would disagree with the reference.
+    assert run_request(slice(0, 2)) != reference
