@@ -71,6 +71,7 @@ class EvictionConfig:
     compaction: str = "hole_fill"
     page_size: int = 1
     query_window_tokens: int = 32
+    _scorer: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _require_int("cadence_tokens", self.cadence_tokens, 1)
@@ -98,18 +99,22 @@ class EvictionConfig:
             raise ValueError(f"scorer_params must be a mapping, got {type(self.scorer_params)}")
         # Freeze the parameters too: a frozen dataclass holding a mutable dict is not frozen.
         object.__setattr__(self, "scorer_params", MappingProxyType(dict(self.scorer_params)))
-        # Importing here keeps config importable without torch-heavy scorer modules loaded
-        # first; build_scorer validates the name and every parameter.
+        # build_scorer validates the name and every parameter (and loads a stats file
+        # once); scorers are frozen and stateless, so the one instance is shared.
         from sglang_evict.scorers import build_scorer
 
-        build_scorer(self.scorer, self.scorer_params)
+        object.__setattr__(self, "_scorer", build_scorer(self.scorer, self.scorer_params))
 
     def to_json(self) -> str:
         """The policy as the JSON object ``sglang-evict serve`` hands to SGLang's processes
         (page size excluded: each process takes it from its engine)."""
         import json
 
-        fields = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "page_size"}
+        fields = {
+            name: getattr(self, name)
+            for name, spec in self.__dataclass_fields__.items()
+            if spec.init and name != "page_size"
+        }
         fields["scorer_params"] = dict(self.scorer_params)
         return json.dumps(fields, sort_keys=True)
 
@@ -119,6 +124,5 @@ class EvictionConfig:
         return self.kv_budget_tokens + self.cadence_tokens
 
     def make_scorer(self):  # -> Scorer; typed loosely to keep the import lazy
-        from sglang_evict.scorers import build_scorer
-
-        return build_scorer(self.scorer, self.scorer_params)
+        """The configured scorer (built and validated once, at construction)."""
+        return self._scorer

@@ -300,14 +300,8 @@ class EvictionManager:
             return None
 
         strategy, fresh = config.compaction, torch.zeros(0, dtype=torch.int64)
-        need = fresh_pages_needed(
-            row,
-            survivors,
-            page_size=page_size,
-            strategy=strategy,
-            positions=positions,
-            immovable=immovable,
-        )
+        request = dict(page_size=page_size, positions=positions, immovable=immovable)
+        need = fresh_pages_needed(row, survivors, strategy=strategy, **request)
         if need:
             allocated = self.pool.alloc_pages(need)
             if allocated is None:  # pool too full for staging pages: this pass fills holes
@@ -315,15 +309,7 @@ class EvictionManager:
             else:
                 fresh = allocated
         try:
-            plan = plan_compaction(
-                row,
-                survivors,
-                page_size=page_size,
-                strategy=strategy,
-                positions=positions,
-                immovable=immovable,
-                fresh_pages=fresh,
-            )
+            plan = plan_compaction(row, survivors, strategy=strategy, fresh_pages=fresh, **request)
             result = self.compactor.compact([plan])
         except BaseException:
             # Nothing was committed: the row and its survivors are intact (invariant 3);
