@@ -521,11 +521,11 @@ def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
         if _Active.metrics is not None:
             _Active.metrics.record(result, manager.config.kv_budget_tokens)
     if results:
-        batch.seq_lens = batch.seq_lens - shrink.to(batch.seq_lens.device)
-        if batch.seq_lens_cpu is not None:
-            batch.seq_lens_cpu = batch.seq_lens_cpu - shrink
-        if batch.orig_seq_lens is not None:
-            batch.orig_seq_lens = batch.orig_seq_lens - shrink.to(batch.orig_seq_lens.device)
+        # New tensors of the same device and dtype (orig_seq_lens is int32).
+        for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
+            lengths = getattr(batch, name)
+            if lengths is not None:
+                setattr(batch, name, lengths - shrink.to(lengths.device, lengths.dtype))
         batch.seq_lens_sum = None
     return results
 

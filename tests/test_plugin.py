@@ -229,3 +229,36 @@ def test_metrics_count_what_the_passes_did():
 def test_metric_names_never_reuse_sglangs_namespace():
     names = [v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)]
     assert len(names) == 8 and all(name.startswith("sglang_evict:") for name in names)
+
+
+def test_decode_hook_replaces_batch_lengths_keeping_their_dtypes():
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang_evict.sglang_adapter import compact_decode_batch
+
+    config = EvictionConfig(kv_budget_tokens=64, cadence_tokens=16, window_tokens=16, page_size=16)
+    engine = Engine(page_size=16, config=config)
+    reqs = [engine.add_request("a", list(range(40))), engine.add_request("b", [1, 2, 3])]
+    for step in range(40):
+        engine.decode_batch(reqs, [step, step])
+    before = [r.kv_committed_len for r in reqs]  # a is at its trigger, b is not
+    batch = ScheduleBatch.init_new(
+        reqs,
+        engine.driver.req_to_token_pool,
+        engine.allocator,
+        engine.cache,
+        SimpleNamespace(vocab_size=1 << 20, is_encoder_decoder=False),
+        enable_overlap=False,
+        spec_algorithm=SpeculativeAlgorithm.NONE,
+    )
+    batch.seq_lens = torch.tensor(before, dtype=torch.int64)
+    batch.seq_lens_cpu = torch.tensor(before, dtype=torch.int64)
+    batch.orig_seq_lens = old_orig = torch.tensor(before, dtype=torch.int32)
+    (result,) = compact_decode_batch(engine.cache.evictor, batch)
+    assert batch.seq_lens.tolist() == [result.tokens_after, before[1]]
+    assert batch.seq_lens_cpu.tolist() == batch.seq_lens.tolist()
+    assert batch.orig_seq_lens.dtype == torch.int32 and batch.orig_seq_lens is not old_orig
+    assert old_orig.tolist() == before  # the in-flight forward's tensor is untouched

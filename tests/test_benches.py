@@ -1,0 +1,37 @@
+"""Benchmark scripts: what can be checked without a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHES = Path(__file__).resolve().parents[1] / "benches"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_engine_script_reads_sglangs_decode_log_lines():
+    bench = load("engine_eviction")
+    # The format of SGLang 0.5.17's metrics_reporter decode line (#token = KV in use).
+    log = "\n".join(
+        f"[2026-11-22 10:00:0{i}] Decode batch, #running-req: {r}, #token: {t}, "
+        f"token usage: 0.01, cuda graph: True, gen throughput (token/s): 2000.0, #queue-req: 0"
+        for i, (r, t) in enumerate([(4, 1200), (4, 1650), (3, 1500), (0, 0)])
+    )
+    assert bench.peak_tokens_per_request(log) == (1650, 500.0)
+
+
+def test_engine_script_help_runs_without_a_gpu():
+    result = subprocess.run(
+        [sys.executable, str(BENCHES / "engine_eviction.py"), "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0 and "--page-size" in result.stdout
