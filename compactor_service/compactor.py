@@ -20,9 +20,11 @@ import torch
 from torch import Tensor
 
 from compactor_service.plan import CompactionPlan, PlanError
-from sglang_evict_kernels import repack_kv_reference
+from sglang_evict_kernels import repack_kv_reference, repack_kv_triton
 
 KERNEL_TORCH_REFERENCE = "torch-reference"
+KERNEL_TRITON = "triton"
+KERNELS = {KERNEL_TORCH_REFERENCE: repack_kv_reference, KERNEL_TRITON: repack_kv_triton}
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,23 @@ def validate_batch(plans: Sequence[CompactionPlan], num_slots: int) -> tuple[Ten
 
 
 class InProcessCompactor:
-    """Applies plans to per-layer K/V buffers with the torch reference repack."""
+    """Applies plans to per-layer K/V buffers in the caller's process.
 
-    def __init__(self, k_buffers: Sequence[Tensor], v_buffers: Sequence[Tensor]) -> None:
+    ``kernel``: ``triton`` (one launch over all layers), ``torch-reference``, or ``auto``:
+    Triton for CUDA buffers, the reference for CPU buffers (Triton runs there only under
+    its interpreter).
+    """
+
+    def __init__(
+        self, k_buffers: Sequence[Tensor], v_buffers: Sequence[Tensor], kernel: str = "auto"
+    ) -> None:
         if len(k_buffers) != len(v_buffers) or not k_buffers:
             raise ValueError("need one K and one V buffer per layer (at least one layer)")
+        if kernel == "auto":
+            kernel = KERNEL_TRITON if k_buffers[0].is_cuda else KERNEL_TORCH_REFERENCE
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown repack kernel {kernel!r}; known: {sorted(KERNELS)}")
+        self.kernel = kernel
         self.k_buffers = list(k_buffers)
         self.v_buffers = list(v_buffers)
         self.num_slots = min(b.shape[0] for b in (*self.k_buffers, *self.v_buffers))
@@ -80,10 +94,10 @@ class InProcessCompactor:
     def compact(self, plans: Sequence[CompactionPlan]) -> CompactResult:
         start = time.perf_counter()
         src, dst = validate_batch(plans, self.num_slots)
-        repack_kv_reference(self.k_buffers, self.v_buffers, src, dst)
+        KERNELS[self.kernel](self.k_buffers, self.v_buffers, src, dst)
         return CompactResult(
             slots_moved=int(src.numel()),
             bytes_moved=2 * int(src.numel()) * self.bytes_per_slot,
             duration_s=time.perf_counter() - start,
-            kernel=KERNEL_TORCH_REFERENCE,
+            kernel=self.kernel,
         )

@@ -5,6 +5,6 @@ tests and benchmarks compare against the reference. This package imports neither
 ``sglang_evict`` nor ``compactor_service``.
 """
 
-from sglang_evict_kernels.repack import repack_kv_reference
+from sglang_evict_kernels.repack import repack_kv_reference, repack_kv_triton
 
-__all__ = ["repack_kv_reference"]
+__all__ = ["repack_kv_reference", "repack_kv_triton"]

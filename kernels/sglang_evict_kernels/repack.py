@@ -51,3 +51,140 @@ def repack_kv_reference(
         dst = dst_slots.to(buf.device)
         staged = buf.index_select(0, src)
         buf.index_copy_(0, dst, staged)
+
+
+# --- Triton: one launch over every layer's K and V ------------------------------------
+
+# Copy unit: the widest integer word dividing every row's bytes (and address), so any
+# dtype (bf16, fp16, fp32, fp8 stored as uint8) moves bit for bit.
+_WORD_SIZES = (8, 4, 2, 1)
+# Words copied per loop iteration of one program. Not tuned yet: the benchmark that
+# chooses it (benches/bench_repack.py on the lent GPU) has not run; 1024 x 4-byte words
+# cover a 4 KiB row in one iteration.
+BLOCK_WORDS = 1024
+# Moves per program: amortises the pointer-table loads over several rows (not tuned yet).
+MOVES_PER_PROGRAM = 4
+
+_KERNEL = None
+
+
+def _kernel():
+    """The ``@triton.jit`` function, built on first use (importing the package does not
+    import Triton)."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def repack_rows_kernel(
+        read_table_ptr,  # int64 [buffers]: base address each row is read from
+        write_table_ptr,  # int64 [buffers]: base address each row is written to
+        row_words_ptr,  # int64 [buffers]: words per slot row
+        src_ptr,  # int64 [moves]
+        dst_ptr,  # int64 [moves]
+        num_moves,
+        WORD: tl.constexpr,
+        BLOCK: tl.constexpr,
+        MOVES: tl.constexpr,
+    ):
+        move_block = tl.program_id(0)
+        buffer = tl.program_id(1)
+        if WORD == 8:
+            word_type = tl.int64
+        elif WORD == 4:
+            word_type = tl.int32
+        elif WORD == 2:
+            word_type = tl.int16
+        else:
+            word_type = tl.uint8
+        read_base = tl.load(read_table_ptr + buffer).to(tl.pointer_type(word_type))
+        write_base = tl.load(write_table_ptr + buffer).to(tl.pointer_type(word_type))
+        row_words = tl.load(row_words_ptr + buffer)
+        for m in tl.static_range(MOVES):
+            move = move_block * MOVES + m
+            if move < num_moves:
+                src = tl.load(src_ptr + move)
+                dst = tl.load(dst_ptr + move)
+                for start in range(0, row_words, BLOCK):
+                    offsets = start + tl.arange(0, BLOCK)
+                    mask = offsets < row_words
+                    words = tl.load(read_base + src * row_words + offsets, mask=mask)
+                    tl.store(write_base + dst * row_words + offsets, words, mask=mask)
+
+    _KERNEL = repack_rows_kernel
+    return _KERNEL
+
+
+def _row_bytes(buffer: Tensor) -> int:
+    return buffer[0].numel() * buffer.element_size()
+
+
+def _word_size(buffers: Sequence[Tensor]) -> int:
+    for size in _WORD_SIZES:
+        if all(_row_bytes(b) % size == 0 and b.data_ptr() % size == 0 for b in buffers):
+            return size
+    return 1
+
+
+def _launch(read: Sequence[Tensor], write: Sequence[Tensor], src: Tensor, dst: Tensor) -> None:
+    """One launch: ``write[i][dst[j]] = read[i][src[j]]`` for every buffer i, move j."""
+    device = read[0].device
+    word = _word_size([*read, *write])
+    tables = [
+        torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
+        for bufs in (read, write)
+    ]
+    row_words = torch.tensor(
+        [_row_bytes(b) // word for b in read], dtype=torch.int64, device=device
+    )
+    grid = (-(-src.numel() // MOVES_PER_PROGRAM), len(read))
+    _kernel()[grid](
+        tables[0],
+        tables[1],
+        row_words,
+        src,
+        dst,
+        src.numel(),
+        WORD=word,
+        BLOCK=BLOCK_WORDS,
+        MOVES=MOVES_PER_PROGRAM,
+    )
+
+
+def repack_kv_triton(
+    k_buffers: Sequence[Tensor],
+    v_buffers: Sequence[Tensor],
+    src_slots: Tensor,
+    dst_slots: Tensor,
+) -> None:
+    """Triton repack: ``buf[dst] = buf[src]`` for every buffer, in one launch (grid: move
+    blocks x buffers; a pointer table addresses the per-layer buffers, so K and V may be
+    views of one allocation and may differ in row size).
+
+    Overlap safety: when no destination is also a source (the planner guarantees it:
+    invariant 3), moves are independent and run in one pass, in any order. Otherwise
+    every source row is first staged in scratch buffers (one launch) and then written to
+    its destination (a second launch): no destination is written before all sources
+    were read. Bit-exact against ``repack_kv_reference``.
+    """
+    buffers = [*k_buffers, *v_buffers]
+    _check_moves(buffers, src_slots, dst_slots)
+    if src_slots.numel() == 0:
+        return
+    for buf in buffers:
+        if not buf.is_contiguous() or buf.dim() < 2:
+            raise ValueError("repack_kv_triton needs contiguous [slots, heads, dim] buffers")
+    device = buffers[0].device
+    src = src_slots.to(device, torch.int64)
+    dst = dst_slots.to(device, torch.int64)
+    if torch.isin(dst, src).any():
+        staging = [
+            torch.empty((src.numel(), *b.shape[1:]), dtype=b.dtype, device=device) for b in buffers
+        ]
+        order = torch.arange(src.numel(), dtype=torch.int64, device=device)
+        _launch(buffers, staging, src, order)
+        _launch(staging, buffers, order, dst)
+        return
+    _launch(buffers, buffers, src, dst)

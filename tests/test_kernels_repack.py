@@ -1,0 +1,157 @@
+"""Triton repack kernel against its torch reference, bit for bit.
+
+On CPU the kernel runs under Triton's interpreter (conftest selects it before anything
+imports Triton kernels), so shapes stay tiny. The interpreter runs programs one after
+another, which hides races; chained moves are therefore tested both ways: the
+single-pass launch over a chain really does corrupt (the hazard exists), and the
+public launcher, which stages chains, matches the reference.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from compactor_service.compactor import InProcessCompactor
+from sglang_evict.planner import fresh_pages_needed, plan_compaction
+from sglang_evict_kernels import repack_kv_reference, repack_kv_triton
+from sglang_evict_kernels.repack import _launch
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]  # uint8: fp8 storage
+
+
+def make_buffers(
+    num_slots,
+    layers=2,
+    heads=2,
+    head_dim=64,
+    v_head_dim=None,
+    dtype=torch.float32,
+    one_allocation=False,
+    seed=0,
+):
+    """Per-layer K and V ``[slots, heads, dim]`` buffers with random bits."""
+    g = torch.Generator().manual_seed(seed)
+    v_head_dim = v_head_dim or head_dim
+
+    def rand(*shape):
+        bits = torch.randint(
+            0,
+            256,
+            (*shape[:-1], shape[-1] * torch.empty(0, dtype=dtype).element_size()),
+            generator=g,
+            dtype=torch.uint8,
+        )
+        return bits.view(dtype)
+
+    if one_allocation:  # K and V as views of one tensor, like some pools allocate them
+        whole = rand(2, layers, num_slots, heads, head_dim)
+        return [whole[0, i] for i in range(layers)], [whole[1, i] for i in range(layers)]
+    return (
+        [rand(num_slots, heads, head_dim) for _ in range(layers)],
+        [rand(num_slots, heads, v_head_dim) for _ in range(layers)],
+    )
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (random bit patterns include NaNs, which torch.equal rejects)."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def assert_same_as_reference(k, v, src, dst):
+    k_ref, v_ref = [b.clone() for b in k], [b.clone() for b in v]
+    repack_kv_reference(k_ref, v_ref, src, dst)
+    repack_kv_triton(k, v, src, dst)
+    for name, got, want in [("K", k, k_ref), ("V", v, v_ref)]:
+        for layer, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert same_bits(g, w), f"{name}[{layer}]"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_moves", [1, 3, 17, 63])
+def test_disjoint_moves_match_the_reference(dtype, num_moves):
+    num_slots = 2 * num_moves + 5
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(num_moves))
+    src, dst = slots[:num_moves], slots[num_moves : 2 * num_moves]
+    k, v = make_buffers(num_slots, dtype=dtype, head_dim=64 if num_moves % 2 else 128)
+    assert_same_as_reference(k, v, src, dst)
+
+
+def test_k_and_v_as_views_of_one_allocation_and_different_value_head_dim():
+    src, dst = torch.tensor([0, 5, 9]), torch.tensor([3, 7, 1])
+    assert_same_as_reference(*make_buffers(12, dtype=torch.bfloat16, one_allocation=True), src, dst)
+    assert_same_as_reference(*make_buffers(12, head_dim=128, v_head_dim=64), src, dst)
+
+
+def test_empty_plan_changes_nothing():
+    k, v = make_buffers(4)
+    before = [b.clone() for b in (*k, *v)]
+    empty = torch.zeros(0, dtype=torch.int64)
+    repack_kv_triton(k, v, empty, empty)
+    assert all(same_bits(a, b) for a, b in zip(before, (*k, *v), strict=True))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("strategy", ["repack", "hole_fill"])
+def test_planner_plans_match_the_reference(page_size, strategy):
+    rng = random.Random(page_size)
+    num_tokens = 63
+    row = torch.arange(num_tokens, dtype=torch.int64) + page_size
+    survivors = torch.tensor(sorted(rng.sample(range(num_tokens), 17)))
+    need = fresh_pages_needed(row, survivors, page_size=page_size, strategy=strategy)
+    first = (num_tokens + 2 * page_size) // page_size
+    plan = plan_compaction(
+        row,
+        survivors,
+        page_size=page_size,
+        strategy=strategy,
+        fresh_pages=list(range(first, first + need)),
+    )
+    k, v = make_buffers((first + need + 1) * page_size, head_dim=64)
+    assert plan.num_moves or page_size == 1
+    assert_same_as_reference(k, v, plan.src_slots, plan.dst_slots)
+
+
+def test_chained_moves_are_staged_so_no_destination_is_written_before_it_is_read():
+    src, dst = torch.tensor([1, 2, 3, 4]), torch.tensor([2, 3, 4, 5])  # each dst is a src
+    assert_same_as_reference(*make_buffers(8), src, dst)
+    # The hazard is real: one unstaged pass in move order reads already-overwritten rows.
+    k, v = make_buffers(8)
+    k_ref, v_ref = [b.clone() for b in k], [b.clone() for b in v]
+    repack_kv_reference(k_ref, v_ref, src, dst)
+    buffers = [*k, *v]
+    _launch(buffers, buffers, src, dst)
+    assert not same_bits(k[0], k_ref[0])
+
+
+def test_move_order_does_not_matter_for_disjoint_plans():
+    src, dst = torch.tensor([0, 1, 2, 3, 4]), torch.tensor([9, 8, 7, 6, 5])
+    k1, v1 = make_buffers(10)
+    k2, v2 = [b.clone() for b in k1], [b.clone() for b in v1]
+    repack_kv_triton(k1, v1, src, dst)
+    order = torch.tensor([3, 0, 4, 2, 1])
+    repack_kv_triton(k2, v2, src[order], dst[order])
+    assert all(same_bits(a, b) for a, b in zip((*k1, *v1), (*k2, *v2), strict=True))
+
+
+def test_bad_moves_are_refused_before_anything_moves():
+    k, v = make_buffers(4)
+    with pytest.raises(ValueError, match="outside"):
+        repack_kv_triton(k, v, torch.tensor([0]), torch.tensor([4]))
+    with pytest.raises(ValueError, match="int64"):
+        repack_kv_triton(k, v, torch.tensor([0], dtype=torch.int32), torch.tensor([1]))
+    with pytest.raises(ValueError, match="contiguous"):
+        repack_kv_triton([b[:, :, ::2] for b in k], v, torch.tensor([0]), torch.tensor([1]))
+
+
+def test_in_process_compactor_runs_the_triton_kernel_when_asked():
+    k, v = make_buffers(40)
+    row = torch.arange(32, dtype=torch.int64)
+    plan = plan_compaction(row, torch.tensor([0, 1, 2, 3, 20, 30]), page_size=4)
+    k_ref, v_ref = [b.clone() for b in k], [b.clone() for b in v]
+    InProcessCompactor(k_ref, v_ref).compact([plan])
+    result = InProcessCompactor(k, v, kernel="triton").compact([plan])
+    assert result.kernel == "triton" and result.slots_moved == plan.num_moves
+    assert all(same_bits(a, b) for a, b in zip((*k, *v), (*k_ref, *v_ref), strict=True))
