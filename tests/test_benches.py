@@ -35,3 +35,15 @@ def test_engine_script_help_runs_without_a_gpu():
         text=True,
     )
     assert result.returncode == 0 and "--page-size" in result.stdout
+
+
+def test_repack_bench_runs_its_smoke_configuration_on_cpu():
+    result = subprocess.run(
+        [sys.executable, str(BENCHES / "bench_repack.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    header, row = result.stdout.strip().splitlines()[-2:]
+    assert "tri/copy" in header and len(row.split()) == 8
