@@ -132,3 +132,36 @@ class TriAttentionScorer(Scorer):
         return triattention_head_scores(
             view.keys, stats, view.current_position, self.offsets, self.offset_reduction
         )
+
+
+def triattention_key_weights(
+    stats: TriAttentionStats, current_position: int, offsets: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The score as linear weights on the key's RoPE pairs, for the pool-reading kernel
+    (``sglang_evict_kernels.scoring.key_pair_scores``):
+
+        geo(t + δ) = Σ_f kr_f·Wr[δ, f] + ki_f·Wi[δ, f]
+        with Wr = s_f² (q̄r cos − q̄i sin), Wi = s_f² (q̄i cos + q̄r sin) at angle (t + δ)ω_f
+        norm term = Σ_f a_f |k_f|,  a_f = s_f² (E|q_f| − |q̄_f|)⁺
+
+    Returns ``(Wr, Wi)`` ``[layers, q_heads, offsets, head_dim/2]`` and ``a``
+    ``[layers, q_heads, head_dim/2]`` (float32).
+    """
+    omega = rope_frequencies(stats.head_dim, stats.rope_theta)
+    angles = (current_position + offsets.to(torch.float64)).unsqueeze(1) * omega.unsqueeze(0)
+    angles = torch.remainder(angles, 2 * math.pi)
+    cos, sin = angles.cos().float(), angles.sin().float()  # [O, F]
+    weight = stats.freq_scale.float() ** 2
+    q_real, q_imag = stats.q_mean_real.unsqueeze(2), stats.q_mean_imag.unsqueeze(2)  # [L,H,1,F]
+    weight_real = weight * (q_real * cos - q_imag * sin)
+    weight_imag = weight * (q_imag * cos + q_real * sin)
+    spread = (stats.q_abs_mean - torch.hypot(stats.q_mean_real, stats.q_mean_imag)).clamp(min=0)
+    return weight_real, weight_imag, weight * spread
+
+
+def triattention_scores_from_parts(
+    dots: Tensor, norm_term: Tensor, offset_reduction: str
+) -> Tensor:
+    """``[layers, q_heads, tokens]`` geometry scores from the kernel's outputs."""
+    geo = dots.mean(dim=2) if offset_reduction == "mean" else dots.max(dim=2).values
+    return geo + norm_term

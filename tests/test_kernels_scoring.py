@@ -1,0 +1,101 @@
+"""Scoring kernels against their torch references and the foundation's scorers.
+
+Tolerances: float32 accumulation in both; 1e-4 relative / 1e-4 absolute covers the
+different summation orders (and half-precision keys are read exactly as stored).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_evict.scorers import KVView
+from sglang_evict.scorers.knorm import KNormScorer
+from sglang_evict.scorers.triattention import (
+    TriAttentionScorer,
+    triattention_key_weights,
+    triattention_scores_from_parts,
+)
+from sglang_evict.scorers.triattention_stats import TriAttentionStats
+from sglang_evict_kernels.scoring import (
+    key_norms_reference,
+    key_norms_triton,
+    key_pair_scores_reference,
+    key_pair_scores_triton,
+)
+
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+
+
+def pool(num_slots, layers=2, kv_heads=2, head_dim=64, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(num_slots, kv_heads, head_dim, generator=g).to(dtype) for _ in range(layers)
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_tokens", "head_dim"), [(1, 64), (3, 128), (17, 64), (63, 128)])
+def test_key_norms_kernel_matches_reference_and_knorm_scorer(dtype, num_tokens, head_dim):
+    k = pool(80, head_dim=head_dim, dtype=dtype)
+    slots = torch.randperm(80, generator=torch.Generator().manual_seed(num_tokens))[:num_tokens]
+    got = key_norms_triton(k, slots)
+    torch.testing.assert_close(got, key_norms_reference(k, slots), **TOLERANCE)
+    keys = torch.stack([b[slots] for b in k])  # what the scorer's view holds
+    view = KVView(keys=keys, positions=torch.arange(num_tokens), current_position=num_tokens)
+    torch.testing.assert_close(-got, KNormScorer().head_scores(view), **TOLERANCE)
+
+
+def stats(layers, q_heads, head_dim, style, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shape = (layers, q_heads, head_dim // 2)
+    real, imag = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    return TriAttentionStats(
+        q_mean_real=real,
+        q_mean_imag=imag,
+        q_abs_mean=torch.hypot(real, imag) + torch.rand(shape, generator=g),
+        freq_scale=torch.ones(head_dim // 2),
+        rope_style=style,
+        rope_theta=10000.0,
+        head_dim=head_dim,
+    )
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("reduction", ["mean", "max"])
+@pytest.mark.parametrize("num_tokens", [1, 17, 63])
+def test_triattention_from_the_pool_kernel_matches_the_scorer(style, reduction, num_tokens):
+    layers, kv_heads, q_heads, head_dim, position = 2, 2, 4, 64, 500
+    k = pool(70, layers, kv_heads, head_dim)
+    slots = torch.arange(num_tokens, dtype=torch.int64) * 1 + 3
+    st = stats(layers, q_heads, head_dim, style)
+    scorer = TriAttentionScorer(stats=st, offset_reduction=reduction, head_normalization="none")
+    weights = triattention_key_weights(st, position, scorer.offsets)
+    dots, norm_term = key_pair_scores_triton(k, slots, *weights, style)
+    ref_dots, ref_norm = key_pair_scores_reference(k, slots, *weights, style)
+    torch.testing.assert_close(dots, ref_dots, **TOLERANCE)
+    torch.testing.assert_close(norm_term, ref_norm, **TOLERANCE)
+    keys = torch.stack([b[slots] for b in k])
+    view = KVView(keys=keys, positions=torch.arange(num_tokens), current_position=position)
+    expected = scorer.head_scores(view)
+    got = triattention_scores_from_parts(dots, norm_term, reduction)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+
+
+def test_scoring_kernels_refuse_bad_input():
+    k = pool(8)
+    with pytest.raises(ValueError, match="outside"):
+        key_norms_triton(k, torch.tensor([8]))
+    with pytest.raises(ValueError, match="int64"):
+        key_norms_triton(k, torch.tensor([1], dtype=torch.int32))
+    weights = torch.zeros(2, 3, 1, 32)  # 3 query heads for 2 kv heads
+    with pytest.raises(ValueError, match="do not fit"):
+        key_pair_scores_triton(
+            k, torch.tensor([1]), weights, weights, torch.zeros(2, 3, 32), "half"
+        )
+
+
+def test_empty_token_list_gives_empty_scores():
+    k = pool(8)
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert key_norms_triton(k, empty).shape == (2, 2, 0)
