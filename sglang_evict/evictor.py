@@ -46,6 +46,7 @@ class KVPoolAccess(Protocol):
     """What the mechanism needs from the engine's pools (implemented by the adapter)."""
 
     page_size: int
+    k_buffers: list[Tensor]  # per-layer [slots, kv_heads, head_dim], for scoring kernels
 
     def read_row(self, req_pool_idx: int, length: int) -> Tensor:
         """int64 slots ``[length]`` of the request's row."""
@@ -169,6 +170,9 @@ class EvictionManager:
     # Combines this rank's per-token scores with the other tensor-parallel ranks' (each
     # holds different KV heads) so every rank keeps the same survivors; None: one rank.
     score_reducer: Callable[[Tensor], Tensor] | None = None
+    # Score with the scorer's pool-reading kernel when it has one (no key gather);
+    # None: when the pool is on a GPU (on CPU Triton runs only under its interpreter).
+    use_pool_kernels: bool | None = None
     states: dict[str, RequestState] = field(default_factory=dict)
     query_rings: dict[str, QueryRing] = field(default_factory=dict)
 
@@ -266,24 +270,11 @@ class EvictionManager:
 
         # The scorer sees tokens in logical order.
         order = torch.argsort(positions)
-        keys = self.pool.gather_keys(row[order])
-        queries = query_positions = None
-        if self.scorer.needs_queries:
-            ring = self.query_rings.get(rid)
-            if ring is None or ring.count == 0:
-                raise ValueError(
-                    f"scorer {self.scorer.name!r} needs the request's captured queries, but "
-                    f"none were recorded for {rid}; query capture must run in the attention"
-                )
-            queries, query_positions = ring.ordered()
-            queries = queries.to(keys.device)
-        view = KVView(
-            keys=keys,
-            positions=positions[order],
-            current_position=next_position,
-            queries=queries,
-            query_positions=query_positions,
-        )
+        scores = self._pool_kernel_scores(row[order], next_position)
+        if scores is None:
+            scores = self._view_scores(rid, row[order], positions[order], next_position)
+        if self.score_reducer is not None:
+            scores = self.score_reducer(scores)
         protected = protected_mask(
             positions[order],
             sink_tokens=config.sink_tokens,
@@ -291,9 +282,6 @@ class EvictionManager:
             window_tokens=config.window_tokens,
             pinned=pinned[order],
         )
-        scores = self.scorer.score(view)
-        if self.score_reducer is not None:
-            scores = self.score_reducer(scores)
         selection = select_survivors(scores, config.kv_budget_tokens, protected)
         survivors = torch.sort(order[selection.indices]).values
         if survivors.numel() == kv_len:
@@ -348,6 +336,38 @@ class EvictionManager:
             strategy=strategy,
             protected_over_budget=selection.protected_over_budget,
         )
+
+    def _pool_kernel_scores(self, slots: Tensor, next_position: int) -> Tensor | None:
+        use = self.use_pool_kernels
+        if use is None:
+            use = torch.device(self.device).type == "cuda"
+        if not use or self.scorer.needs_queries:
+            return None
+        per_head = self.scorer.pool_head_scores(self.pool.k_buffers, slots, next_position)
+        return None if per_head is None else self.scorer.aggregate(per_head)
+
+    def _view_scores(
+        self, rid: str, slots: Tensor, positions: Tensor, next_position: int
+    ) -> Tensor:
+        keys = self.pool.gather_keys(slots)
+        queries = query_positions = None
+        if self.scorer.needs_queries:
+            ring = self.query_rings.get(rid)
+            if ring is None or ring.count == 0:
+                raise ValueError(
+                    f"scorer {self.scorer.name!r} needs the request's captured queries, but "
+                    f"none were recorded for {rid}; query capture must run in the attention"
+                )
+            queries, query_positions = ring.ordered()
+            queries = queries.to(keys.device)
+        view = KVView(
+            keys=keys,
+            positions=positions,
+            current_position=next_position,
+            queries=queries,
+            query_positions=query_positions,
+        )
+        return self.scorer.score(view)
 
     def check_request(self, rid: str, kv_len: int) -> None:
         """Raise ``AssertionError`` if a request's state breaks the module's invariants."""

@@ -56,3 +56,44 @@ def test_forget_drops_state_queries_and_position_offset():
     engine.finish(req)  # finishing goes through the cache, which forgets the request
     assert "a" not in manager.states and "a" not in manager.query_rings
     assert manager.offsets_by_row[row] == 0
+
+
+@pytest.mark.parametrize("scorer", ["knorm", "triattention"])
+def test_pool_kernel_scoring_keeps_the_same_survivors_as_the_torch_path(scorer, tmp_path):
+    from sglang_evict.scorers.triattention_stats import TriAttentionStats, save_stats
+
+    params = {}
+    if scorer == "triattention":
+        g = torch.Generator().manual_seed(0)
+        shape = (2, 2, 4)  # harness model: 2 layers, 2 heads, head_dim 8
+        stats = TriAttentionStats(
+            q_mean_real=torch.randn(shape, generator=g),
+            q_mean_imag=torch.randn(shape, generator=g),
+            q_abs_mean=torch.rand(shape, generator=g) + 2,
+            freq_scale=torch.ones(4),
+            rope_style="half",
+            rope_theta=10000.0,
+            head_dim=8,
+        )
+        save_stats(stats, tmp_path / "stats.safetensors")
+        params = {"stats_path": str(tmp_path / "stats.safetensors")}
+    kept = []
+    for use_kernels in (False, True):
+        config = EvictionConfig(
+            kv_budget_tokens=48,
+            cadence_tokens=16,
+            window_tokens=8,
+            scorer=scorer,
+            scorer_params=params,
+            page_size=16,
+        )
+        engine = Engine(page_size=16, config=config)
+        engine.cache.evictor.use_pool_kernels = use_kernels
+        req = engine.add_request("a", list(range(8)))
+        for step in range(120):
+            engine.decode_step(req, 1000 + step)
+        kept.append(
+            [r.tokens_after for _, r in engine.pass_log] + engine.driver.positions(req).tolist()
+        )
+        assert len(engine.pass_log) >= 4
+    assert kept[0] == kept[1]

@@ -1,9 +1,10 @@
 """Eviction metrics reach SGLang's own /metrics route.
 
 A separate process plays SGLang's scheduler: it builds the cache through the registered
-backend factory with ``--enable-metrics`` and runs passes; SGLang's HTTP server process
-serves every process's metrics from the Prometheus multiprocess directory through
-``add_prometheus_middleware``, which this test mounts on an app and queries.
+backend factory with ``--enable-metrics`` and runs passes. Another plays SGLang's HTTP
+server: it mounts ``add_prometheus_middleware`` (which serves every process's metrics
+from the Prometheus multiprocess directory) on an app and reads ``/metrics``. Both are
+real processes: prometheus_client fixes its storage mode at import, from the environment.
 """
 
 from __future__ import annotations
@@ -45,7 +46,20 @@ SCHEDULER = textwrap.dedent(
 )
 
 
-def test_pass_metrics_appear_on_sglangs_metrics_route(tmp_path, monkeypatch):
+HTTP_SERVER = textwrap.dedent(
+    """
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from sglang.srt.utils.common import add_prometheus_middleware
+
+    app = FastAPI()
+    add_prometheus_middleware(app)
+    print(TestClient(app).get("/metrics").text)
+    """
+)
+
+
+def test_pass_metrics_appear_on_sglangs_metrics_route(tmp_path):
     policy = {"kv_budget_tokens": 48, "cadence_tokens": 16, "window_tokens": 16}
     env = {
         **os.environ,
@@ -59,14 +73,11 @@ def test_pass_metrics_appear_on_sglangs_metrics_route(tmp_path, monkeypatch):
     num_passes, tokens_evicted, pages_freed = map(int, result.stdout.split()[-3:])
     assert num_passes >= 3
 
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    from fastapi import FastAPI
-    from fastapi.testclient import TestClient
-    from sglang.srt.utils.common import add_prometheus_middleware
-
-    app = FastAPI()
-    add_prometheus_middleware(app)
-    text = TestClient(app).get("/metrics").text
+    served = subprocess.run(
+        [sys.executable, "-c", HTTP_SERVER], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert served.returncode == 0, served.stderr[-3000:]
+    text = served.stdout
     samples = {
         line.split(" ")[0]: float(line.split(" ")[1])
         for line in text.splitlines()

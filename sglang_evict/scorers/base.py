@@ -152,6 +152,18 @@ class Scorer:
         """``[layers, heads, tokens]`` scores, higher = keep."""
         raise NotImplementedError
 
+    def pool_head_scores(
+        self, k_buffers: list[Tensor], slots: Tensor, current_position: int
+    ) -> Tensor | None:
+        """``head_scores`` computed by a kernel straight from the KV pool (per-layer
+        ``[slots, kv_heads, head_dim]`` buffers, ``slots`` in the view's token order),
+        without gathering keys; None when this scorer has no such kernel."""
+        return None
+
+    def aggregate(self, per_head: Tensor) -> Tensor:
+        """Per-head scores -> per-token scores, with this scorer's settings."""
+        return aggregate_head_scores(per_head, self.head_normalization, self.head_reduction)
+
     def score(self, view: KVView) -> Tensor:
         """float32 ``[tokens]``, higher = keep."""
         if self.needs_queries and view.queries is None:
@@ -159,9 +171,7 @@ class Scorer:
                 f"scorer {self.name!r} needs captured queries, but the view has none; enable "
                 f"query capture or choose a score-free scorer (knorm, streaming, triattention)"
             )
-        return aggregate_head_scores(
-            self.head_scores(view), self.head_normalization, self.head_reduction
-        )
+        return self.aggregate(self.head_scores(view))
 
 
 def expand_kv_heads(keys_layer: Tensor, num_q_heads: int) -> Tensor:

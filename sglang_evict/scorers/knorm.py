@@ -17,6 +17,11 @@ from sglang_evict.scorers.base import KVView, Scorer
 class KNormScorer(Scorer):
     name = "knorm"
 
+    def pool_head_scores(self, k_buffers, slots: Tensor, current_position: int) -> Tensor:
+        from sglang_evict_kernels.scoring import key_norms_triton
+
+        return -key_norms_triton(k_buffers, slots)
+
     def head_scores(self, view: KVView) -> Tensor:
         # [layers, tokens, kv_heads] -> [layers, kv_heads, tokens]; lower norm = keep.
         norms = view.keys.float().norm(dim=-1)
