@@ -99,3 +99,32 @@ def test_empty_token_list_gives_empty_scores():
     k = pool(8)
     empty = torch.zeros(0, dtype=torch.int64)
     assert key_norms_triton(k, empty).shape == (2, 2, 0)
+
+
+@pytest.mark.parametrize("mode", ["sum", "last"])
+@pytest.mark.parametrize("num_tokens", [1, 17, 63])
+def test_window_logits_kernel_feeds_the_window_scorer_signal(mode, num_tokens):
+    from sglang_evict.scorers.window import WindowScorer, weights_from_logits
+    from sglang_evict_kernels.scoring import query_key_logits_reference, query_key_logits_triton
+
+    layers, kv_heads, q_heads, head_dim, window = 2, 2, 4, 64, 5
+    k = pool(80, layers, kv_heads, head_dim)
+    slots = torch.randperm(80, generator=torch.Generator().manual_seed(3))[:num_tokens]
+    queries = torch.randn(
+        layers, window, q_heads, head_dim, generator=torch.Generator().manual_seed(4)
+    )
+    logits = query_key_logits_triton(k, slots, queries)
+    torch.testing.assert_close(logits, query_key_logits_reference(k, slots, queries), **TOLERANCE)
+    positions = torch.arange(num_tokens)
+    query_positions = torch.arange(num_tokens - window, num_tokens).clamp(min=0)
+    keys = torch.stack([b[slots] for b in k])
+    view = KVView(
+        keys=keys,
+        positions=positions,
+        current_position=num_tokens,
+        queries=queries,
+        query_positions=query_positions,
+    )
+    expected = WindowScorer(mode=mode).head_scores(view)
+    got = weights_from_logits(logits, positions, query_positions, mode, pool_kernel=1)
+    torch.testing.assert_close(got, expected, **TOLERANCE)

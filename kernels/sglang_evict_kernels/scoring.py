@@ -268,3 +268,106 @@ def key_pair_scores_triton(
         BLOCK=BLOCK_TOKENS,
     )
     return dots, norm_term
+
+
+# --- query-key logits (window / SnapKV / TOVA signal) ------------------------------------
+
+
+def query_key_logits_reference(
+    k_buffers: Sequence[Tensor], slots: Tensor, queries: Tensor
+) -> Tensor:
+    """float32 ``[layers, q_heads, window, tokens]``: ``q·k / sqrt(head_dim)`` of captured
+    queries ``[layers, window, q_heads, head_dim]`` against the keys at ``slots``."""
+    _check(k_buffers, slots)
+    out = []
+    for layer, buf in enumerate(k_buffers):
+        keys = buf[slots.to(buf.device)].float()
+        group = queries.shape[2] // keys.shape[1]
+        keys = keys.repeat_interleave(group, dim=1)
+        out.append(torch.einsum("whd,nhd->hwn", queries[layer].float(), keys))
+    return torch.stack(out) / (k_buffers[0].shape[-1] ** 0.5)
+
+
+def _logits_kernel():
+    if "logits" in _KERNELS:
+        return _KERNELS["logits"]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def query_key_logits_kernel(
+        table_ptr,
+        slots_ptr,
+        q_ptr,
+        out_ptr,
+        num_tokens,
+        num_q_heads,
+        num_kv_heads,
+        window,
+        scale,
+        HEAD_DIM: tl.constexpr,
+        DTYPE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        block = tl.program_id(0)
+        layer = tl.program_id(1)
+        base = tl.load(table_ptr + layer).to(tl.pointer_type(DTYPE))
+        tokens = block * BLOCK + tl.arange(0, BLOCK)
+        live = tokens < num_tokens
+        slots = tl.load(slots_ptr + tokens, mask=live, other=0)
+        dims = tl.arange(0, HEAD_DIM)
+        group = num_q_heads // num_kv_heads
+        for kv_head in range(num_kv_heads):
+            rows = (slots * num_kv_heads + kv_head) * HEAD_DIM
+            k = tl.load(base + rows[:, None] + dims[None, :], mask=live[:, None], other=0.0)
+            k = k.to(tl.float32)  # read once, used by every query of the group
+            for g in range(group):
+                q_head = kv_head * group + g
+                for w in range(window):
+                    q_row = ((layer * window + w) * num_q_heads + q_head) * HEAD_DIM
+                    q = tl.load(q_ptr + q_row + dims).to(tl.float32)
+                    logits = tl.sum(k * q[None, :], axis=1) * scale
+                    out = out_ptr + ((layer * num_q_heads + q_head) * window + w) * num_tokens
+                    tl.store(out + tokens, logits, mask=live)
+
+    _KERNELS["logits"] = query_key_logits_kernel
+    return query_key_logits_kernel
+
+
+def query_key_logits_triton(k_buffers: Sequence[Tensor], slots: Tensor, queries: Tensor) -> Tensor:
+    """Triton ``query_key_logits_reference``: each key tile is read once for every query
+    of its GQA group; the softmax over tokens (cheap, on these logits) stays in torch."""
+    import triton.language as tl
+
+    _check(k_buffers, slots)
+    num_layers, (_, num_kv_heads, head_dim) = len(k_buffers), k_buffers[0].shape
+    if queries.dim() != 4 or queries.shape[0] != num_layers or queries.shape[3] != head_dim:
+        raise ValueError(
+            f"queries must be [{num_layers}, window, q_heads, {head_dim}], got "
+            f"{tuple(queries.shape)}"
+        )
+    _, window, num_q_heads, _ = queries.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads is not a multiple of {num_kv_heads}")
+    device = k_buffers[0].device
+    out = torch.empty(
+        num_layers, num_q_heads, window, slots.numel(), dtype=torch.float32, device=device
+    )
+    if slots.numel() == 0:
+        return out
+    grid = (-(-slots.numel() // BLOCK_TOKENS), num_layers)
+    _logits_kernel()[grid](
+        _table(k_buffers),
+        slots.to(device),
+        queries.float().contiguous().to(device),
+        out,
+        slots.numel(),
+        num_q_heads,
+        num_kv_heads,
+        window,
+        head_dim**-0.5,
+        HEAD_DIM=head_dim,
+        DTYPE=_element_type(tl, k_buffers[0].dtype),
+        BLOCK=BLOCK_TOKENS,
+    )
+    return out

@@ -32,34 +32,40 @@ from sglang_evict.scorers.base import KVView, Scorer, expand_kv_heads
 WINDOW_MODES = ("sum", "last", "cumulative")
 
 
-def window_attention_weights(view: KVView, mode: str, pool_kernel: int) -> Tensor:
-    """float32 ``[layers, q_heads, tokens]``: softmax attention weight of the window's
-    queries on each cached token, reduced over queries by ``mode``."""
-    if view.queries is None or view.query_positions is None:
-        raise ValueError("window attention needs captured queries and their positions")
-    num_layers = view.keys.shape[0]
-    head_dim = view.keys.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim)
+def weights_from_logits(
+    logits: Tensor, positions: Tensor, query_positions: Tensor, mode: str, pool_kernel: int
+) -> Tensor:
+    """float32 ``[layers, q_heads, tokens]`` from ``q·k/sqrt(d)`` logits ``[layers,
+    q_heads, window, tokens]``: causal softmax per query, reduced over queries by
+    ``mode``, optionally max-pooled over neighbouring tokens."""
     # [window, tokens]: a query at position p sees keys at positions <= p.
-    visible = view.positions.unsqueeze(0) <= view.query_positions.unsqueeze(1)
+    visible = positions.unsqueeze(0) <= query_positions.unsqueeze(1)
     if mode == "last":
-        visible = visible[-1:]
-    per_layer = []
-    for layer in range(num_layers):  # one layer at a time bounds memory to W x N per head
-        queries = view.queries[layer].float()
-        if mode == "last":
-            queries = queries[-1:]
-        keys = expand_kv_heads(view.keys[layer].float(), queries.shape[1])
-        logits = torch.einsum("whd,nhd->hwn", queries, keys) * scale
-        logits = logits.masked_fill(~visible.unsqueeze(0), float("-inf"))
-        weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a query seeing nothing -> 0
-        per_layer.append(weights.sum(dim=1))
-    scores = torch.stack(per_layer)
+        logits, visible = logits[:, :, -1:], visible[-1:]
+    logits = logits.masked_fill(~visible.to(logits.device)[None, None], float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a query seeing nothing -> 0
+    scores = weights.sum(dim=2)
     if pool_kernel > 1:
         flat = scores.reshape(-1, 1, scores.shape[-1])
         pooled = F.max_pool1d(flat, pool_kernel, stride=1, padding=pool_kernel // 2)
         scores = pooled.reshape(scores.shape)
     return scores
+
+
+def window_attention_weights(view: KVView, mode: str, pool_kernel: int) -> Tensor:
+    """float32 ``[layers, q_heads, tokens]``: softmax attention weight of the window's
+    queries on each cached token, reduced over queries by ``mode``."""
+    if view.queries is None or view.query_positions is None:
+        raise ValueError("window attention needs captured queries and their positions")
+    scale = 1.0 / math.sqrt(view.keys.shape[-1])
+    logits = []
+    for layer in range(view.keys.shape[0]):  # one layer at a time bounds memory to W x N per head
+        queries = view.queries[layer].float()
+        keys = expand_kv_heads(view.keys[layer].float(), queries.shape[1])
+        logits.append(torch.einsum("whd,nhd->hwn", queries, keys) * scale)
+    return weights_from_logits(
+        torch.stack(logits), view.positions, view.query_positions, mode, pool_kernel
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
