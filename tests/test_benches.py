@@ -47,3 +47,15 @@ def test_repack_bench_runs_its_smoke_configuration_on_cpu():
     assert result.returncode == 0, result.stderr[-2000:]
     header, row = result.stdout.strip().splitlines()[-2:]
     assert "tri/copy" in header and len(row.split()) == 8
+
+
+def test_scoring_bench_runs_its_smoke_configuration_on_cpu():
+    result = subprocess.run(
+        [sys.executable, str(BENCHES / "bench_scoring.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    header, row = result.stdout.strip().splitlines()[-2:]
+    assert "triattention x" in header and len(row.split()) == 5
