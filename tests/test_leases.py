@@ -1,0 +1,107 @@
+"""The lease-store contract. Every implementation runs this same suite (the Redis store
+joins the parametrization when it lands)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from compactor_service.leases import InProcessLeaseStore
+
+
+class FakeClock:
+    """A settable millisecond clock (time itself is the dependency made explicit)."""
+
+    def __init__(self) -> None:
+        self.now_ms = 1_000
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+
+@pytest.fixture(params=["in-process"])
+def store_and_clock(request):
+    clock = FakeClock()
+    return InProcessLeaseStore(clock_ms=clock), clock
+
+
+def test_exclusive_lease_and_strictly_increasing_fencing_tokens(store_and_clock):
+    store, _ = store_and_clock
+    first = store.acquire("pool:1:req:a", "compactor-1", ttl_ms=500)
+    assert first is not None
+    assert store.acquire("pool:1:req:a", "compactor-2", ttl_ms=500) is None
+    other = store.acquire("pool:1:req:b", "compactor-2", ttl_ms=500)
+    assert other.token > first.token
+    assert store.release(first)
+    again = store.acquire("pool:1:req:a", "compactor-2", ttl_ms=500)
+    assert again.token > other.token
+
+
+def test_expired_lease_is_superseded_and_its_token_refused(store_and_clock):
+    store, clock = store_and_clock
+    stale = store.acquire("r", "compactor-1", ttl_ms=100)
+    assert store.is_current("r", stale.token)
+    clock.now_ms += 100  # TTL elapsed: a stalled pass loses its lease
+    assert not store.is_current("r", stale.token)
+    fresh = store.acquire("r", "compactor-2", ttl_ms=100)
+    assert fresh is not None and fresh.token > stale.token
+    assert not store.is_current("r", stale.token)  # a late commit of the old pass is refused
+    assert store.renew(stale, ttl_ms=100) is None and not store.release(stale)
+    assert store.is_current("r", fresh.token)
+
+
+def test_renew_extends_only_the_current_grant(store_and_clock):
+    store, clock = store_and_clock
+    lease = store.acquire("r", "c", ttl_ms=100)
+    clock.now_ms += 60
+    renewed = store.renew(lease, ttl_ms=100)
+    assert renewed.token == lease.token and renewed.expires_at_ms == clock.now_ms + 100
+    clock.now_ms += 60  # past the first TTL, inside the renewed one
+    assert store.is_current("r", lease.token)
+    impostor = type(lease)("r", "someone-else", lease.token, lease.expires_at_ms)
+    assert store.renew(impostor, ttl_ms=100) is None and not store.release(impostor)
+
+
+@pytest.mark.parametrize("ttl_ms", [0, -5, 1.5, True])
+def test_bad_ttl_is_refused(store_and_clock, ttl_ms):
+    store, _ = store_and_clock
+    with pytest.raises(ValueError, match="ttl_ms"):
+        store.acquire("r", "c", ttl_ms=ttl_ms)
+
+
+def test_pins_are_refcounted_per_holder_and_never_negative(store_and_clock):
+    store, _ = store_and_clock
+    store.pin([10, 11], "req-a")
+    store.pin([11], "req-b")
+    store.pin([11], "req-b")
+    assert store.pinned_by_others([10, 11, 12], "req-a") == [11]
+    assert store.pinned_by_others([10, 11, 12], "req-b") == [10, 11]  # 11: req-a too
+    store.unpin([11], "req-b")
+    assert store.pinned_by_others([11], "req-a") == [11]  # req-b still holds one pin
+    with pytest.raises(ValueError, match="does not pin"):
+        store.unpin([10, 10], "req-a")  # pinned once, unpinned twice: refused whole
+    assert store.pinned_by_others([10], "req-b") == [10]  # and nothing changed
+    store.unpin([11], "req-b")
+    store.unpin([10, 11], "req-a")
+    assert store.pinned_by_others([10, 11], "anyone") == []
+
+
+def test_contention_from_threads_grants_one_holder_at_a_time(store_and_clock):
+    store, _ = store_and_clock
+    winners = []
+
+    def contend(name: str) -> None:
+        for _ in range(200):
+            lease = store.acquire("hot", name, ttl_ms=10_000)
+            if lease is not None:
+                winners.append(lease)
+                assert store.release(lease)
+
+    threads = [threading.Thread(target=contend, args=(f"t{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    tokens = [lease.token for lease in winners]
+    assert tokens and len(set(tokens)) == len(tokens)  # every grant got its own token
