@@ -66,7 +66,7 @@ class LeaseStore(Protocol):
         ...
 
 
-def _check_ttl(ttl_ms: int) -> None:
+def check_ttl_ms(ttl_ms: int) -> None:
     if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms <= 0:
         raise ValueError(f"ttl_ms must be a positive integer, got {ttl_ms!r}")
 
@@ -89,7 +89,7 @@ class InProcessLeaseStore:
         return lease
 
     def acquire(self, resource: str, owner: str, ttl_ms: int) -> Lease | None:
-        _check_ttl(ttl_ms)
+        check_ttl_ms(ttl_ms)
         with self._lock:
             if self._live(resource) is not None:
                 return None
@@ -99,7 +99,7 @@ class InProcessLeaseStore:
             return lease
 
     def renew(self, lease: Lease, ttl_ms: int) -> Lease | None:
-        _check_ttl(ttl_ms)
+        check_ttl_ms(ttl_ms)
         with self._lock:
             current = self._live(lease.resource)
             if current is None or (current.owner, current.token) != (lease.owner, lease.token):

@@ -1,17 +1,23 @@
-"""The lease-store contract. Every implementation runs this same suite (the Redis store
-joins the parametrization when it lands)."""
+"""The lease-store contract: the in-process store and the Redis store (against a real
+redis-server on a loopback port) run this same suite."""
 
 from __future__ import annotations
 
 import threading
+import time
+import uuid
 
 import pytest
 
 from compactor_service.leases import InProcessLeaseStore
+from compactor_service.redis_leases import LeaseStoreUnavailable, RedisLeaseStore
+from tests.redis_server import RedisServer
+
+TTL_MS = 1_000
 
 
 class FakeClock:
-    """A settable millisecond clock (time itself is the dependency made explicit)."""
+    """A settable millisecond clock for the in-process store."""
 
     def __init__(self) -> None:
         self.now_ms = 1_000
@@ -19,48 +25,68 @@ class FakeClock:
     def __call__(self) -> int:
         return self.now_ms
 
+    def advance(self, ms: int) -> None:
+        self.now_ms += ms
 
-@pytest.fixture(params=["in-process"])
+
+class WallClock:
+    """Redis expires keys on its own clock: advancing means waiting."""
+
+    def advance(self, ms: int) -> None:
+        time.sleep(ms / 1000 + 0.05)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["in-process", "redis"])
 def store_and_clock(request):
-    clock = FakeClock()
-    return InProcessLeaseStore(clock_ms=clock), clock
+    if request.param == "in-process":
+        clock = FakeClock()
+        return InProcessLeaseStore(clock_ms=clock), clock
+    server = request.getfixturevalue("redis_server")
+    return RedisLeaseStore(server.url, namespace=uuid.uuid4().hex), WallClock()
 
 
 def test_exclusive_lease_and_strictly_increasing_fencing_tokens(store_and_clock):
     store, _ = store_and_clock
-    first = store.acquire("pool:1:req:a", "compactor-1", ttl_ms=500)
+    first = store.acquire("pool:1:req:a", "compactor-1", ttl_ms=TTL_MS)
     assert first is not None
-    assert store.acquire("pool:1:req:a", "compactor-2", ttl_ms=500) is None
-    other = store.acquire("pool:1:req:b", "compactor-2", ttl_ms=500)
+    assert store.acquire("pool:1:req:a", "compactor-2", ttl_ms=TTL_MS) is None
+    other = store.acquire("pool:1:req:b", "compactor-2", ttl_ms=TTL_MS)
     assert other.token > first.token
     assert store.release(first)
-    again = store.acquire("pool:1:req:a", "compactor-2", ttl_ms=500)
+    again = store.acquire("pool:1:req:a", "compactor-2", ttl_ms=TTL_MS)
     assert again.token > other.token
 
 
 def test_expired_lease_is_superseded_and_its_token_refused(store_and_clock):
     store, clock = store_and_clock
-    stale = store.acquire("r", "compactor-1", ttl_ms=100)
+    stale = store.acquire("r", "compactor-1", ttl_ms=TTL_MS)
     assert store.is_current("r", stale.token)
-    clock.now_ms += 100  # TTL elapsed: a stalled pass loses its lease
+    clock.advance(TTL_MS)  # TTL elapsed: a stalled pass loses its lease
     assert not store.is_current("r", stale.token)
-    fresh = store.acquire("r", "compactor-2", ttl_ms=100)
+    fresh = store.acquire("r", "compactor-2", ttl_ms=TTL_MS)
     assert fresh is not None and fresh.token > stale.token
     assert not store.is_current("r", stale.token)  # a late commit of the old pass is refused
-    assert store.renew(stale, ttl_ms=100) is None and not store.release(stale)
+    assert store.renew(stale, ttl_ms=TTL_MS) is None and not store.release(stale)
     assert store.is_current("r", fresh.token)
 
 
 def test_renew_extends_only_the_current_grant(store_and_clock):
     store, clock = store_and_clock
-    lease = store.acquire("r", "c", ttl_ms=100)
-    clock.now_ms += 60
-    renewed = store.renew(lease, ttl_ms=100)
-    assert renewed.token == lease.token and renewed.expires_at_ms == clock.now_ms + 100
-    clock.now_ms += 60  # past the first TTL, inside the renewed one
+    lease = store.acquire("r", "c", ttl_ms=TTL_MS)
+    clock.advance(600)
+    renewed = store.renew(lease, ttl_ms=TTL_MS)
+    assert renewed.token == lease.token and renewed.expires_at_ms > lease.expires_at_ms
+    clock.advance(600)  # past the first TTL, inside the renewed one
     assert store.is_current("r", lease.token)
     impostor = type(lease)("r", "someone-else", lease.token, lease.expires_at_ms)
-    assert store.renew(impostor, ttl_ms=100) is None and not store.release(impostor)
+    assert store.renew(impostor, ttl_ms=TTL_MS) is None and not store.release(impostor)
 
 
 @pytest.mark.parametrize("ttl_ms", [0, -5, 1.5, True])
@@ -105,3 +131,21 @@ def test_contention_from_threads_grants_one_holder_at_a_time(store_and_clock):
         thread.join()
     tokens = [lease.token for lease in winners]
     assert tokens and len(set(tokens)) == len(tokens)  # every grant got its own token
+
+
+def test_redis_outage_refuses_leases_and_restart_keeps_tokens_growing(tmp_path):
+    server = RedisServer(tmp_path).start()
+    store = RedisLeaseStore(server.url, namespace="outage", timeout_s=0.5)
+    before = store.acquire("r", "compactor-1", ttl_ms=TTL_MS)
+    server.stop()  # Redis goes away mid-run: nothing may be granted or checked
+    with pytest.raises(LeaseStoreUnavailable, match=r"unreachable.*no compaction may move KV"):
+        store.acquire("r2", "compactor-1", ttl_ms=TTL_MS)
+    with pytest.raises(LeaseStoreUnavailable):
+        store.is_current("r", before.token)
+    RedisServer(tmp_path, port=server.port).start()  # restarted empty (no persistence)
+    try:
+        after = store.acquire("r", "compactor-2", ttl_ms=TTL_MS)
+        assert after is not None and after.token > before.token  # fencing survives restarts
+        assert not store.is_current("r", before.token)
+    finally:
+        RedisServer(tmp_path, port=server.port).stop()
