@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from compactor_service.leases import LeaseStore
 from compactor_service.plan import CompactionPlan, PlanError
 from sglang_evict_kernels import repack_kv_reference, repack_kv_triton
 
@@ -37,9 +38,26 @@ class CompactResult:
     kernel: str
 
 
+class LeaseRefused(PlanError):
+    """The batch's lease is stale or expired, or it touches pages pinned by others."""
+
+
+@dataclass(frozen=True)
+class LeaseClaim:
+    """Who asks: the exclusive lease the pass holds (``resource``, fencing ``token``) and
+    the holder name under which it pins its own shared pages."""
+
+    resource: str
+    token: int
+    holder: str
+
+
 class Compactor(Protocol):
-    def compact(self, plans: Sequence[CompactionPlan]) -> CompactResult:
-        """Apply ``plans``; raise ``PlanError`` (and move nothing) if any is invalid."""
+    def compact(
+        self, plans: Sequence[CompactionPlan], claim: LeaseClaim | None = None
+    ) -> CompactResult:
+        """Apply ``plans``; raise ``PlanError`` (and move nothing) if any is invalid or,
+        with a lease store, if ``claim`` does not hold a current lease."""
         ...
 
 
@@ -75,7 +93,12 @@ class InProcessCompactor:
     """
 
     def __init__(
-        self, k_buffers: Sequence[Tensor], v_buffers: Sequence[Tensor], kernel: str = "auto"
+        self,
+        k_buffers: Sequence[Tensor],
+        v_buffers: Sequence[Tensor],
+        kernel: str = "auto",
+        leases: LeaseStore | None = None,
+        page_size: int = 1,
     ) -> None:
         if len(k_buffers) != len(v_buffers) or not k_buffers:
             raise ValueError("need one K and one V buffer per layer (at least one layer)")
@@ -84,6 +107,8 @@ class InProcessCompactor:
         if kernel not in KERNELS:
             raise ValueError(f"unknown repack kernel {kernel!r}; known: {sorted(KERNELS)}")
         self.kernel = kernel
+        self.leases = leases
+        self.page_size = page_size
         self.k_buffers = list(k_buffers)
         self.v_buffers = list(v_buffers)
         self.num_slots = min(b.shape[0] for b in (*self.k_buffers, *self.v_buffers))
@@ -91,9 +116,13 @@ class InProcessCompactor:
             b[0].numel() * b.element_size() for b in (*self.k_buffers, *self.v_buffers)
         )
 
-    def compact(self, plans: Sequence[CompactionPlan]) -> CompactResult:
+    def compact(
+        self, plans: Sequence[CompactionPlan], claim: LeaseClaim | None = None
+    ) -> CompactResult:
         start = time.perf_counter()
         src, dst = validate_batch(plans, self.num_slots)
+        if self.leases is not None:
+            check_leases(self.leases, claim, src, dst, self.page_size)
         KERNELS[self.kernel](self.k_buffers, self.v_buffers, src, dst)
         return CompactResult(
             slots_moved=int(src.numel()),
@@ -101,3 +130,21 @@ class InProcessCompactor:
             duration_s=time.perf_counter() - start,
             kernel=self.kernel,
         )
+
+
+def check_leases(
+    leases: LeaseStore, claim: LeaseClaim | None, src: Tensor, dst: Tensor, page_size: int
+) -> None:
+    """Refuse (``LeaseRefused``) a batch whose claim is missing, stale or expired, or
+    that reads or writes a page another holder pins. Runs before any byte moves."""
+    if claim is None:
+        raise LeaseRefused("this compactor checks leases: a pass must present its lease")
+    if not leases.is_current(claim.resource, claim.token):
+        raise LeaseRefused(
+            f"fencing token {claim.token} is not the current lease of {claim.resource!r} "
+            f"(expired or superseded): nothing was moved"
+        )
+    pages = torch.unique(torch.cat([src, dst]) // page_size).tolist()
+    pinned = leases.pinned_by_others(pages, claim.holder)
+    if pinned:
+        raise LeaseRefused(f"pages {pinned[:8]} are pinned by other holders: nothing was moved")
