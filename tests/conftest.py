@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 # Tests never reach the network (CI has none): model weights are built locally.
@@ -23,3 +24,13 @@ os.environ.setdefault("SGLANG_CHECK_KV_PAGE_INVARIANTS", "1")
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server on a loopback port for the whole test session."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()

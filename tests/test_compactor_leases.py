@@ -12,15 +12,7 @@ from compactor_service.compactor import InProcessCompactor, LeaseClaim, LeaseRef
 from compactor_service.leases import InProcessLeaseStore
 from compactor_service.redis_leases import RedisLeaseStore
 from sglang_evict.planner import plan_compaction
-from tests.redis_server import RedisServer
 from tests.test_leases import FakeClock
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(params=["in-process", "redis"])

@@ -36,13 +36,6 @@ class WallClock:
         time.sleep(ms / 1000 + 0.05)
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture(params=["in-process", "redis"])
 def store_and_clock(request):
     if request.param == "in-process":
