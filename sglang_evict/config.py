@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-COMPACTION_STRATEGIES = ("repack", "hole_fill")
+from sglang_evict.planner import STRATEGIES as COMPACTION_STRATEGIES  # one definition
 
 # Ranges a config must stay inside; errors quote them.
 MAX_SINK_TOKENS = 1 << 16

@@ -28,7 +28,7 @@ Invariants (tests call ``check_request`` after every operation):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -385,8 +385,3 @@ class EvictionManager:
                 f"request {rid}: first evicted position {state.first_evicted_position}, "
                 f"but {min(missing)} is missing"
             )
-
-
-def batch_position_offsets(manager: EvictionManager, rids: Sequence[str]) -> Tensor:
-    """int64 per-request offsets to add to positions derived from ``seq_lens``."""
-    return torch.tensor([manager.position_offset(rid) for rid in rids], dtype=torch.int64)
