@@ -6,7 +6,8 @@ scheduler commits rows and frees pages only after ``compact`` returns; see the
 planner's invariant 3 for why an interrupted copy leaves survivors intact.
 
 ``InProcessCompactor`` (the embedded default) runs in the scheduler's process over the
-pool's own buffers. The gRPC sidecar will implement the same ``Compactor`` protocol.
+pool's own buffers. ``compactor_service.client.GrpcCompactor`` implements the same
+``Compactor`` protocol over the gRPC sidecar.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def validate_batch(plans: Sequence[CompactionPlan], num_slots: int) -> tuple[Ten
         raise PlanError("two plans of one batch write the same slot")
     if torch.isin(dst, src).any():
         raise PlanError("a slot is read by one plan and written by another")
+    rows = torch.cat([p.new_row for p in plans])
+    if torch.unique(rows).numel() != rows.numel():
+        raise PlanError("two plans of one batch hold the same slot in their new rows")
     return src, dst
 
 
@@ -123,13 +127,18 @@ class InProcessCompactor:
         src, dst = validate_batch(plans, self.num_slots)
         if self.leases is not None:
             check_leases(self.leases, claim, src, dst, self.page_size)
-        KERNELS[self.kernel](self.k_buffers, self.v_buffers, src, dst)
+        self.copy(src, dst)
         return CompactResult(
             slots_moved=int(src.numel()),
             bytes_moved=2 * int(src.numel()) * self.bytes_per_slot,
             duration_s=time.perf_counter() - start,
             kernel=self.kernel,
         )
+
+    def copy(self, src: Tensor, dst: Tensor) -> None:
+        """Run the repack kernel on already validated moves."""
+        if src.numel():
+            KERNELS[self.kernel](self.k_buffers, self.v_buffers, src, dst)
 
 
 def check_leases(

@@ -71,13 +71,18 @@ return 0
 class RedisLeaseStore:
     def __init__(self, url: str, namespace: str = "default", timeout_s: float = 1.0) -> None:
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         self._redis_errors = (redis.ConnectionError, redis.TimeoutError)
+        # No client-side retries: an unreachable store must fail fast (callers pause
+        # compaction and retry later), not stall a scheduler step on backoff.
         self.client = redis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             decode_responses=True,
+            retry=Retry(NoBackoff(), 0),
         )
         self.tag = f"{{sglang-evict:{namespace}}}"
         self._scripts = {

@@ -20,8 +20,16 @@ from collections.abc import Sequence
 
 import torch
 
+from compactor_service.health import DEFAULT_SOCKET
+from compactor_service.health import add_arguments as add_health_arguments
 from sglang_evict import __version__
-from sglang_evict.config import COMPACTION_STRATEGIES, EvictionConfig
+from sglang_evict.config import (
+    COMPACTION_STRATEGIES,
+    COMPACTOR_FALLBACKS,
+    COMPACTORS,
+    LEASE_STORES,
+    EvictionConfig,
+)
 from sglang_evict.planner import (
     fresh_pages_needed,
     pages_freed_without_compaction,
@@ -60,6 +68,51 @@ def _add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | Non
     )
 
 
+def _add_compactor_flags(parser: argparse.ArgumentParser) -> None:
+    """Where passes copy KV (in-process or the sidecar) and where leases live."""
+    parser.add_argument(
+        "--kv-compactor",
+        default="inprocess",
+        choices=COMPACTORS,
+        help="grpc: send passes to the compactor process at --kv-compactor-socket",
+    )
+    parser.add_argument("--kv-compactor-socket", default=DEFAULT_SOCKET)
+    parser.add_argument(
+        "--kv-compactor-fallback",
+        default="inprocess",
+        choices=COMPACTOR_FALLBACKS,
+        help="when the sidecar cannot serve a pass: complete it in-process, or skip "
+        "passes while it is down",
+    )
+    parser.add_argument("--kv-compactor-timeout-ms", type=int, default=1000)
+    parser.add_argument(
+        "--kv-lease-store",
+        default="inprocess",
+        choices=LEASE_STORES,
+        help="where pass leases (fencing tokens) live; redis for multi-process deployments",
+    )
+    parser.add_argument("--kv-redis-url", default=None, help="redis://HOST:PORT/DB")
+    parser.add_argument(
+        "--kv-lease-namespace",
+        default="default",
+        help="Redis key namespace; distinct per scheduler sharing one Redis (e.g. the pod name)",
+    )
+
+
+def _compactor_fields(args: argparse.Namespace) -> dict:
+    if not hasattr(args, "kv_compactor"):
+        return {}
+    return dict(
+        compactor=args.kv_compactor,
+        compactor_socket=args.kv_compactor_socket,
+        compactor_fallback=args.kv_compactor_fallback,
+        compactor_timeout_ms=args.kv_compactor_timeout_ms,
+        lease_store=args.kv_lease_store,
+        redis_url=args.kv_redis_url,
+        lease_namespace=args.kv_lease_namespace,
+    )
+
+
 def _config_from_args(args: argparse.Namespace) -> EvictionConfig:
     params = {"stats_path": args.kv_scorer_stats} if args.kv_scorer_stats else {}
     return EvictionConfig(
@@ -72,6 +125,7 @@ def _config_from_args(args: argparse.Namespace) -> EvictionConfig:
         scorer_params=params,
         compaction=args.kv_compaction,
         page_size=args.page_size,
+        **_compactor_fields(args),
     )
 
 
@@ -242,7 +296,6 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
     import os
-    import subprocess
 
     page_size = 1
     for i, flag in enumerate(sglang_argv):
@@ -288,7 +341,11 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
         print(f"{CONFIG_ENV}={config.to_json()}")
         print(" ".join(command))
         return 0
-    return subprocess.call(command, env=env)
+    # Replace this process: SGLang receives the container's signals (SIGTERM drains it)
+    # directly, with no parent in between to forward them.
+    sys.stdout.flush()
+    os.execve(sys.executable, command, env)
+    return 0  # not reached
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -332,6 +389,18 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compactor(args: argparse.Namespace) -> int:
+    from compactor_service.server import run
+
+    return run(args)
+
+
+def _compactor_health(args: argparse.Namespace) -> int:
+    from compactor_service.health import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sglang-evict",
@@ -372,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--page-size", type=int, default=16, help="KV page size")
     demo.add_argument("--seed", type=int, default=0)
     _add_policy_flags(demo, default_budget=256)
+    _add_compactor_flags(demo)
     demo.set_defaults(handler=_demo)
 
     serve = commands.add_parser(
@@ -383,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
         "refused by name before the server starts.",
     )
     _add_policy_flags(serve)
+    _add_compactor_flags(serve)
     serve.add_argument(
         "--dry-run", action="store_true", help="validate, print the command, start nothing"
     )
@@ -405,6 +476,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="use the text's UTF-8 bytes as token ids (models without a tokenizer)",
     )
     cal.set_defaults(handler=_calibrate)
+
+    from compactor_service.server import build_arg_parser
+
+    compactor = commands.add_parser(
+        "compactor",
+        help="run the compactor sidecar (gRPC on a Unix socket) for --kv-compactor grpc",
+        description="The compactor process: maps the scheduler's KV pool once (shared memory "
+        "on CPU, CUDA IPC on GPU) and applies each pass's validated plans in place. Same as "
+        "python -m compactor_service.",
+    )
+    build_arg_parser(compactor)
+    compactor.set_defaults(handler=_compactor)
+    health = commands.add_parser(
+        "compactor-health",
+        help="exit 0 when the compactor reports SERVING (an exec probe)",
+    )
+    add_health_arguments(health)
+    health.set_defaults(handler=_compactor_health)
     return parser
 
 

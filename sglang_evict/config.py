@@ -22,6 +22,9 @@ from sglang_evict.planner import STRATEGIES as COMPACTION_STRATEGIES  # one defi
 # Ranges a config must stay inside; errors quote them.
 MAX_SINK_TOKENS = 1 << 16
 MAX_PAGE_SIZE = 1 << 12
+COMPACTORS = ("inprocess", "grpc")
+COMPACTOR_FALLBACKS = ("inprocess", "skip")  # compactor_service.client.FALLBACK_MODES
+LEASE_STORES = ("inprocess", "redis", "none")
 
 
 def _require_int(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -55,6 +58,21 @@ class EvictionConfig:
         page_size: the engine's KV page size in tokens (taken from the engine).
         query_window_tokens: how many of a request's latest queries (per layer) are kept
             for scorers that read queries (``window``, ``rkv``).
+        compactor: ``inprocess`` (the embedded default) or ``grpc`` (the sidecar at
+            ``compactor_socket``; ``--kv-compactor``).
+        compactor_socket: the sidecar's Unix socket (``--kv-compactor-socket``).
+        compactor_fallback: ``inprocess`` or ``skip``: what a pass does when the sidecar
+            cannot serve it (``--kv-compactor-fallback``; see
+            ``compactor_service.client``).
+        compactor_timeout_ms: deadline of one Compact call (``--kv-compactor-timeout-ms``).
+        shm_dir: tmpfs directory for a CPU pool shared with the sidecar.
+        lease_store: ``inprocess`` (default), ``redis`` (``redis_url``) or ``none``: where
+            pass leases and shared-page pins live (``--kv-lease-store``).
+        redis_url: ``redis://host:port/db`` of the Redis lease store (``--kv-redis-url``).
+        lease_ttl_ms: TTL of a pass's exclusive lease.
+        lease_namespace: key namespace in the Redis store; schedulers sharing one Redis
+            need distinct namespaces (page numbers are per pool) and their compactor
+            takes the same one (``--lease-namespace``).
 
     How per-head scores combine into one keep-set per request is a scorer parameter
     (``head_normalization``, ``head_reduction``; see ``sglang_evict.scorers.base``).
@@ -71,6 +89,15 @@ class EvictionConfig:
     compaction: str = "hole_fill"
     page_size: int = 1
     query_window_tokens: int = 32
+    compactor: str = "inprocess"
+    compactor_socket: str = "/tmp/sglang-evict/compactor.sock"
+    compactor_fallback: str = "inprocess"
+    compactor_timeout_ms: int = 1000
+    shm_dir: str = "/dev/shm"
+    lease_store: str = "inprocess"
+    redis_url: str | None = None
+    lease_ttl_ms: int = 5000
+    lease_namespace: str = "default"
     _scorer: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +121,19 @@ class EvictionConfig:
         if self.compaction not in COMPACTION_STRATEGIES:
             raise ValueError(
                 f"unknown compaction {self.compaction!r}; known: {list(COMPACTION_STRATEGIES)}"
+            )
+        for name, value, known in (
+            ("compactor", self.compactor, COMPACTORS),
+            ("compactor_fallback", self.compactor_fallback, COMPACTOR_FALLBACKS),
+            ("lease_store", self.lease_store, LEASE_STORES),
+        ):
+            if value not in known:
+                raise ValueError(f"unknown {name} {value!r}; known: {list(known)}")
+        _require_int("compactor_timeout_ms", self.compactor_timeout_ms, 1)
+        _require_int("lease_ttl_ms", self.lease_ttl_ms, 1)
+        if self.lease_store == "redis" and not self.redis_url:
+            raise ValueError(
+                "lease_store 'redis' needs a URL: pass --kv-redis-url redis://HOST:PORT"
             )
         if not isinstance(self.scorer_params, Mapping):
             raise ValueError(f"scorer_params must be a mapping, got {type(self.scorer_params)}")

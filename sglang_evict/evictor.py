@@ -35,7 +35,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from compactor_service.compactor import Compactor
+from compactor_service import tracing
+from compactor_service.compactor import Compactor, LeaseClaim
+from compactor_service.leases import LeaseStore
+from compactor_service.redis_leases import LeaseStoreUnavailable
 from sglang_evict.config import EvictionConfig
 from sglang_evict.planner import fresh_pages_needed, plan_compaction
 from sglang_evict.scorers import KVView
@@ -173,6 +176,14 @@ class EvictionManager:
     # Score with the scorer's pool-reading kernel when it has one (no key gather);
     # None: when the pool is on a GPU (on CPU Triton runs only under its interpreter).
     use_pool_kernels: bool | None = None
+    # Pass leases (fencing tokens the compactor checks) and shared-page pins; None: off.
+    leases: LeaseStore | None = None
+    lease_holder: str = "scheduler"
+    # After the lease store failed, passes pause (fail at once, touching nothing) for
+    # this long instead of reaching for an unreachable store at every decode step.
+    lease_retry_interval_s: float = 1.0
+    _leases_down_until_s: float = 0.0
+    pin_failures: int = 0  # pin/unpin calls the lease store did not take (outage)
     states: dict[str, RequestState] = field(default_factory=dict)
     query_rings: dict[str, QueryRing] = field(default_factory=dict)
 
@@ -205,6 +216,25 @@ class EvictionManager:
 
     def needs_pass(self, kv_len: int) -> bool:
         return kv_len >= self.config.trigger_tokens
+
+    # --- shared-page pins ------------------------------------------------------------
+
+    def pin_shared_pages(self, slots: Tensor, pin: bool) -> None:
+        """Pin (or unpin) the pages holding ``slots`` in the lease store, under this
+        scheduler's holder name: called as radix-tree nodes become locked (or
+        unlocked). A compactor checking leases refuses any plan touching a page pinned
+        by another holder. A store outage is logged and counted, never raised: SGLang's
+        lock path must not fail (``pin_failures``)."""
+        if self.leases is None or slots.numel() == 0:
+            return
+        pages = torch.unique(slots.to("cpu", torch.int64) // self.config.page_size).tolist()
+        try:
+            if pin:
+                self.leases.pin(pages, self.lease_holder)
+            else:
+                self.leases.unpin(pages, self.lease_holder)
+        except (LeaseStoreUnavailable, ValueError):
+            self.pin_failures += 1
 
     # --- state changes ---------------------------------------------------------------
 
@@ -248,12 +278,59 @@ class EvictionManager:
             num_shared: leading row entries owned by the radix tree (never touched).
             prompt_len: prompt tokens; protected unless ``config.evict_prompt``.
         """
-        start = time.perf_counter()
         if not 0 <= req_pool_idx < self.offsets_by_row.numel():
             raise ValueError(
                 f"req_pool_idx {req_pool_idx} outside the request pool [0, "
                 f"{self.offsets_by_row.numel()})"
             )
+        tracer = tracing.tracer()
+        with tracer.start_as_current_span(tracing.SPAN_PASS) as span:
+            span.set_attribute(tracing.ATTR_REQUESTS, 1)
+            span.set_attribute(tracing.ATTR_TOKENS_BEFORE, kv_len)
+            span.set_attribute(tracing.ATTR_SCORER, self.config.scorer)
+            lease = None
+            if self.leases is not None:
+                if time.monotonic() < self._leases_down_until_s:
+                    span.set_attribute(tracing.ATTR_OUTCOME, "lease-store-down")
+                    raise LeaseStoreUnavailable(
+                        "the lease store was unreachable moments ago: compaction paused"
+                    )
+                resource = f"{self.lease_holder}:req:{rid}"
+                try:
+                    lease = self.leases.acquire(
+                        resource, self.lease_holder, self.config.lease_ttl_ms
+                    )
+                except LeaseStoreUnavailable:
+                    self._leases_down_until_s = time.monotonic() + self.lease_retry_interval_s
+                    span.set_attribute(tracing.ATTR_OUTCOME, "lease-store-down")
+                    raise
+                if lease is None:
+                    span.set_attribute(tracing.ATTR_OUTCOME, "lease-busy")
+                    raise RuntimeError(f"the pass lease of {resource!r} is held: pass skipped")
+                span.set_attribute(tracing.ATTR_FENCING_TOKEN, lease.token)
+            try:
+                result = self._run_pass(
+                    rid, req_pool_idx, kv_len, num_shared, prompt_len, lease, span
+                )
+            except BaseException as error:
+                span.set_attribute(tracing.ATTR_OUTCOME, f"failed: {type(error).__name__}")
+                raise
+            finally:
+                if lease is not None:
+                    self.leases.release(lease)
+            if result is None:
+                span.set_attribute(tracing.ATTR_OUTCOME, "nothing-evicted")
+                return None
+            span.set_attribute(tracing.ATTR_OUTCOME, "committed")
+            span.set_attribute(tracing.ATTR_TOKENS_AFTER, result.tokens_after)
+            span.set_attribute(tracing.ATTR_PAGES_FREED, result.pages_freed)
+            span.set_attribute(tracing.ATTR_BYTES_MOVED, result.bytes_moved)
+            span.set_attribute(tracing.ATTR_STRATEGY, result.strategy)
+            return result
+
+    def _run_pass(self, rid, req_pool_idx, kv_len, num_shared, prompt_len, lease, span):
+        start = time.perf_counter()
+        tracer = tracing.tracer()
         config = self.config
         page_size = config.page_size
         row = self.pool.read_row(req_pool_idx, kv_len)
@@ -268,13 +345,14 @@ class EvictionManager:
         if not config.evict_prompt:
             pinned |= positions < prompt_len
 
-        # The scorer sees tokens in logical order.
-        order = torch.argsort(positions)
-        scores = self._pool_kernel_scores(row[order], next_position)
-        if scores is None:
-            scores = self._view_scores(rid, row[order], positions[order], next_position)
-        if self.score_reducer is not None:
-            scores = self.score_reducer(scores)
+        with tracer.start_as_current_span(tracing.SPAN_SCORE):
+            # The scorer sees tokens in logical order.
+            order = torch.argsort(positions)
+            scores = self._pool_kernel_scores(row[order], next_position)
+            if scores is None:
+                scores = self._view_scores(rid, row[order], positions[order], next_position)
+            if self.score_reducer is not None:
+                scores = self.score_reducer(scores)
         protected = protected_mask(
             positions[order],
             sink_tokens=config.sink_tokens,
@@ -296,9 +374,16 @@ class EvictionManager:
                 strategy = "hole_fill"
             else:
                 fresh = allocated
+        claim = None
+        if lease is not None:
+            claim = LeaseClaim(lease.resource, lease.token, self.lease_holder)
         try:
-            plan = plan_compaction(row, survivors, strategy=strategy, fresh_pages=fresh, **request)
-            result = self.compactor.compact([plan])
+            with tracer.start_as_current_span(tracing.SPAN_PLAN):
+                plan = plan_compaction(
+                    row, survivors, strategy=strategy, fresh_pages=fresh, **request
+                )
+            with tracer.start_as_current_span(tracing.SPAN_RPC):
+                result = self.compactor.compact([plan], claim)
         except BaseException:
             # Nothing was committed: the row and its survivors are intact (invariant 3);
             # hand the staging pages back and let the caller decide.
@@ -306,8 +391,9 @@ class EvictionManager:
                 self.pool.free_pages(fresh)
             raise
         # Commit: only now does the row change and do pages return.
-        self.pool.write_row(req_pool_idx, plan.new_row)
-        self.pool.free_pages(plan.freed_pages)
+        with tracer.start_as_current_span(tracing.SPAN_COMMIT):
+            self.pool.write_row(req_pool_idx, plan.new_row)
+            self.pool.free_pages(plan.freed_pages)
 
         evicted_positions = positions[~torch.isin(positions, plan.new_positions)]
         previous = self.states.get(rid)

@@ -22,6 +22,9 @@ BYTES_MOVED_TOTAL = "sglang_evict:bytes_moved_total"
 PASS_DURATION_SECONDS = "sglang_evict:pass_duration_seconds"
 BUDGET_OCCUPANCY_RATIO = "sglang_evict:budget_occupancy_ratio"
 PASS_FAILURES_TOTAL = "sglang_evict:pass_failures_total"
+# With --kv-compactor grpc: 1 while the sidecar serves passes, 0 while passes fall back.
+COMPACTOR_UP = "sglang_evict:compactor_up"
+COMPACTOR_FALLBACKS_TOTAL = "sglang_evict:compactor_fallbacks_total"
 
 # Pass durations: a CPU pass over a few thousand tokens takes ~1-50 ms, a GPU pass less.
 _DURATION_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -41,11 +44,14 @@ class EvictionMetrics:
     pass_duration: Any
     budget_occupancy: Any
     pass_failures: Any
+    compactor_up: Any
+    compactor_fallbacks: Any
     scorer: str
+    _fallbacks_seen: int = 0
 
     @classmethod
     def create(cls, scorer: str, registry: Any = None) -> EvictionMetrics:
-        from prometheus_client import REGISTRY, Counter, Histogram
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
         registry = REGISTRY if registry is None else registry
         labels = ("strategy", "scorer")
@@ -74,6 +80,18 @@ class EvictionMetrics:
                 registry=registry,
             ),
             pass_failures=counter(PASS_FAILURES_TOTAL, "Passes that failed and were skipped"),
+            compactor_up=Gauge(
+                COMPACTOR_UP,
+                "1 while the compactor sidecar serves passes, 0 while they fall back",
+                registry=registry,
+                multiprocess_mode="max",
+            ),
+            compactor_fallbacks=Counter(
+                COMPACTOR_FALLBACKS_TOTAL.removesuffix("_total"),
+                "Passes the sidecar could not serve (completed in-process or skipped)",
+                ("mode",),
+                registry=registry,
+            ),
             scorer=scorer,
         )
 
@@ -89,6 +107,16 @@ class EvictionMetrics:
         self.budget_occupancy.labels(scorer=self.scorer).observe(
             result.tokens_before / budget_tokens
         )
+
+    def record_compactor(self, compactor: Any) -> None:
+        """Sidecar health and fallbacks of a ``FallbackCompactor`` (no-op otherwise)."""
+        if not hasattr(compactor, "sidecar_up"):
+            return
+        self.compactor_up.set(1 if compactor.sidecar_up else 0)
+        total = compactor.fallback_passes + compactor.skipped_passes
+        if total > self._fallbacks_seen:
+            self.compactor_fallbacks.labels(mode=compactor.mode).inc(total - self._fallbacks_seen)
+            self._fallbacks_seen = total
 
     def record_failure(self, strategy: str) -> None:
         self.pass_failures.labels(strategy=strategy, scorer=self.scorer).inc()

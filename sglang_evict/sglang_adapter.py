@@ -17,7 +17,9 @@ What it provides:
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -66,7 +68,15 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode  # noqa: E402
 
+from compactor_service.client import FallbackCompactor, GrpcCompactor  # noqa: E402
 from compactor_service.compactor import Compactor, InProcessCompactor  # noqa: E402
+from compactor_service.health import socket_target  # noqa: E402
+from compactor_service.leases import InProcessLeaseStore, LeaseStore  # noqa: E402
+from compactor_service.shared_pool import (  # noqa: E402
+    PoolLayout,
+    create_shared_buffers,
+    export_cuda_buffers,
+)
 from sglang_evict.config import EvictionConfig  # noqa: E402
 from sglang_evict.evictor import EvictionManager, PassResult  # noqa: E402
 
@@ -132,20 +142,85 @@ class SGLangPoolAccess:
             self.allocator.free((pages * self.page_size).to(self.allocator.device))
 
 
+def share_kv_pool(kv_pool: MHATokenToKVPool, shm_dir: str) -> tuple[PoolLayout, object]:
+    """Make ``kv_pool``'s buffers mappable by the compactor process; return the layout
+    and the owner of the shared memory (``close()`` removes it).
+
+    CUDA: the buffers stay where they are and are exported by IPC handle. CPU: the
+    buffers move into one tmpfs file (contents copied) and the pool's per-layer lists
+    and pointer tables are re-pointed at it — done at start-up, before any forward.
+    """
+    if kv_pool.head_dim != kv_pool.v_head_dim:
+        raise ValueError("the compactor sidecar needs equal K and V head dims (MHA)")
+    if torch.device(kv_pool.device).type == "cuda":
+        return export_cuda_buffers(kv_pool.k_buffer, kv_pool.v_buffer, kv_pool.page_size), None
+    first = kv_pool.k_buffer[0]
+    shared = create_shared_buffers(
+        num_layers=len(kv_pool.k_buffer),
+        num_slots=first.shape[0],
+        num_kv_heads=first.shape[1],
+        head_dim=first.shape[2],
+        dtype=first.dtype,
+        page_size=kv_pool.page_size,
+        directory=shm_dir,
+        copy_from=(kv_pool.k_buffer, kv_pool.v_buffer),
+    )
+    kv_pool.k_buffer = shared.k
+    kv_pool.v_buffer = shared.v
+    kv_pool._init_data_ptrs_and_strides()
+    return shared.layout, shared
+
+
+def make_lease_store(config: EvictionConfig) -> LeaseStore | None:
+    if config.lease_store == "none":
+        return None
+    if config.lease_store == "redis":
+        from compactor_service.redis_leases import RedisLeaseStore
+
+        return RedisLeaseStore(config.redis_url, namespace=config.lease_namespace)
+    return InProcessLeaseStore()
+
+
+def make_compactor(
+    config: EvictionConfig, pool: SGLangPoolAccess, leases: LeaseStore | None
+) -> Compactor:
+    """The configured compactor: in-process, or the sidecar with an in-process fallback
+    (which completes, with the same plans, any pass the sidecar cannot)."""
+    if config.compactor == "inprocess":
+        return InProcessCompactor(
+            pool.k_buffers, pool.v_buffers, leases=leases, page_size=pool.page_size
+        )
+    layout, shared = share_kv_pool(pool.kv_pool, config.shm_dir)
+    if shared is not None:
+        atexit.register(shared.close)
+    fallback = InProcessCompactor(
+        pool.k_buffers, pool.v_buffers, leases=leases, page_size=pool.page_size
+    )
+    sidecar = GrpcCompactor(
+        socket_target(config.compactor_socket),
+        layout,
+        timeout_s=config.compactor_timeout_ms / 1000,
+    )
+    return FallbackCompactor(sidecar, fallback, mode=config.compactor_fallback)
+
+
 def make_manager(
     config: EvictionConfig, params: CacheInitParams, compactor: Compactor | None = None
 ) -> EvictionManager:
     """An ``EvictionManager`` over the pools a radix cache is built with."""
     allocator = params.token_to_kv_pool_allocator
     pool = SGLangPoolAccess(params.req_to_token_pool, allocator, allocator.get_kvcache())
+    leases = make_lease_store(config)
     if compactor is None:
-        compactor = InProcessCompactor(pool.k_buffers, pool.v_buffers)
+        compactor = make_compactor(config, pool, leases)
     return EvictionManager(
         config=config,
         pool=pool,
         compactor=compactor,
         num_request_rows=params.req_to_token_pool.req_to_token.shape[0],
         device=allocator.device,
+        leases=leases,
+        lease_holder=f"scheduler-{os.getpid()}",
     )
 
 
@@ -203,6 +278,32 @@ class EvictingRadixCache(RadixCache):
         )
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
+
+    def inc_lock_ref(self, node: TreeNode):
+        """SGLang's lock, plus a lease-store pin of the pages of every node that becomes
+        locked (a locked node's pages are shared with a running request)."""
+        newly_locked = self._path_with_lock_ref(node, 0)
+        result = super().inc_lock_ref(node)
+        for locked in newly_locked:
+            self.evictor.pin_shared_pages(locked.value, pin=True)
+        return result
+
+    def dec_lock_ref(self, node: TreeNode, params=None):
+        unlocked = self._path_with_lock_ref(node, 1)
+        result = super().dec_lock_ref(node, params)
+        for released in unlocked:
+            self.evictor.pin_shared_pages(released.value, pin=False)
+        return result
+
+    def _path_with_lock_ref(self, node: TreeNode, lock_ref: int) -> list[TreeNode]:
+        if self.disable or self.evictor.leases is None:
+            return []
+        path = []
+        while node is not None and node is not self.root_node:
+            if node.lock_ref == lock_ref and node.value is not None:
+                path.append(node)
+            node = node.parent
+        return path
 
     def cache_unfinished_req(self, req, chunked: bool = False):
         if req.rid in self.evictor.states:
@@ -520,6 +621,8 @@ def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
         results.append(result)
         if _Active.metrics is not None:
             _Active.metrics.record(result, manager.config.kv_budget_tokens)
+    if _Active.metrics is not None:
+        _Active.metrics.record_compactor(manager.compactor)
     if results:
         # New tensors of the same device and dtype (orig_seq_lens is int32).
         for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):

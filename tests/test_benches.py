@@ -59,3 +59,16 @@ def test_scoring_bench_runs_its_smoke_configuration_on_cpu():
     assert result.returncode == 0, result.stderr[-2000:]
     header, row = result.stdout.strip().splitlines()[-2:]
     assert "triattention x" in header and len(row.split()) == 5
+
+
+def test_compactor_bench_runs_its_smoke_configuration_on_cpu():
+    """Starts a real compactor process and times both compactors on the same plans."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHES / "bench_compactor.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines[-3:]] == ["in-process", "sidecar", "added"]

@@ -3,6 +3,7 @@ redis-server on a loopback port) run this same suite."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -142,3 +143,49 @@ def test_redis_outage_refuses_leases_and_restart_keeps_tokens_growing(tmp_path):
         assert not store.is_current("r", before.token)
     finally:
         RedisServer(tmp_path, port=server.port).stop()
+
+
+CONTENDER = """
+import sys, time
+from compactor_service.redis_leases import RedisLeaseStore
+url, namespace, name = sys.argv[1:4]
+store = RedisLeaseStore(url, namespace=namespace)
+for _ in range(60):
+    lease = store.acquire("hot", name, ttl_ms=10_000)
+    if lease is None:
+        continue
+    start = time.time_ns()
+    time.sleep(0.002)  # hold it: another process must not get it meanwhile
+    print(lease.token, start, time.time_ns(), flush=True)
+    assert store.release(lease)
+"""
+
+
+def test_contention_from_processes_on_redis_never_overlaps_holders(redis_server):
+    """Four real processes race for one lease: holding intervals never overlap and
+    every grant carries a larger fencing token than the one before it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    namespace = uuid.uuid4().hex
+    root = Path(__file__).resolve().parents[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONTENDER, redis_server.url, namespace, f"p{i}"],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=root,
+        )
+        for i in range(4)
+    ]
+    grants = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        grants += [tuple(map(int, line.split())) for line in out.splitlines()]
+    grants.sort(key=lambda g: g[1])
+    assert len(grants) >= 4
+    for (token_a, _, end_a), (token_b, start_b, _) in itertools.pairwise(grants):
+        assert end_a <= start_b, "two processes held the lease at once"
+        assert token_b > token_a

@@ -1,0 +1,157 @@
+"""Per-pass overhead of the compactor sidecar vs the in-process compactor, side by side.
+
+Both apply the same batch of plans (planner output for ``--requests`` requests with
+scattered eviction) to the same pool: in-process over the pool's own buffers, the
+sidecar (``python -m compactor_service`` on a Unix socket, started here) over the same
+memory mapped through shared memory (CPU) or CUDA IPC (GPU). Calls alternate, so both
+see the same machine state. A plan is idempotent (sources are never written), so one
+batch can be applied over and over.
+
+Prints p50/p99 per pass for each and the sidecar's added time (target on the GPU:
+<= 1 ms p50, <= 3 ms p99 added).
+
+    python3 benches/bench_compactor.py                 # CPU, or the GPU when present
+    python3 benches/bench_compactor.py --smoke         # a few passes, to check the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
+
+from compactor_service.client import GrpcCompactor  # noqa: E402
+from compactor_service.compactor import InProcessCompactor  # noqa: E402
+from compactor_service.health import check_health, socket_target  # noqa: E402
+from compactor_service.shared_pool import create_shared_buffers, export_cuda_buffers  # noqa: E402
+from sglang_evict.planner import plan_compaction  # noqa: E402
+
+
+def make_plans(num_requests: int, tokens: int, keep: float, page_size: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    pages_per_request = -(-tokens // page_size)
+    plans = []
+    for r in range(num_requests):
+        first = 1 + r * pages_per_request  # page 0 is SGLang's padding page
+        row = torch.arange(first * page_size, first * page_size + tokens, dtype=torch.int64)
+        count = max(1, int(tokens * keep))
+        survivors = torch.sort(torch.randperm(tokens, generator=generator)[:count]).values
+        plans.append(
+            plan_compaction(row, survivors, page_size=page_size, positions=torch.arange(tokens))
+        )
+    return plans, 1 + num_requests * pages_per_request
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=2048, help="KV tokens per request")
+    parser.add_argument("--keep", type=float, default=0.5, help="fraction of tokens kept")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--passes", type=int, default=200)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 5 passes")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.requests, args.tokens, args.layers, args.kv_heads, args.head_dim = 2, 64, 2, 2, 16
+        args.passes = 5
+    plans, num_pages = make_plans(args.requests, args.tokens, args.keep, args.page_size, 0)
+    num_slots = (num_pages + 1) * args.page_size
+    shape = (num_slots, args.kv_heads, args.head_dim)
+    shared = None
+    if args.device == "cpu":
+        shared = create_shared_buffers(
+            num_layers=args.layers,
+            num_slots=num_slots,
+            num_kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            dtype=torch.bfloat16,
+            page_size=args.page_size,
+        )
+        k, v, layout = shared.k, shared.v, shared.layout
+    else:
+        k = [
+            torch.randn(shape, device=args.device, dtype=torch.bfloat16) for _ in range(args.layers)
+        ]
+        v = [
+            torch.randn(shape, device=args.device, dtype=torch.bfloat16) for _ in range(args.layers)
+        ]
+        layout = export_cuda_buffers(k, v, args.page_size)
+    moves = sum(p.num_moves for p in plans)
+    device_name = torch.cuda.get_device_name() if args.device != "cpu" else "CPU"
+    print(
+        f"device {args.device} ({device_name}); "
+        f"{args.requests} requests x {args.tokens} tokens, keep {args.keep:.0%}, page "
+        f"{args.page_size}; {args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}; "
+        f"{moves} slot moves per pass"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        sock = Path(tmp) / "compactor.sock"
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "compactor_service",
+                "--socket",
+                str(sock),
+                "--log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not (sock.exists() and check_health(socket_target(str(sock)), 0.5)):
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise SystemExit("the compactor did not start")
+                time.sleep(0.1)
+            sidecar = GrpcCompactor(socket_target(str(sock)), layout, timeout_s=30)
+            sidecar.register()
+            local = InProcessCompactor(k, v, page_size=args.page_size)
+            sync = torch.cuda.synchronize if args.device != "cpu" else (lambda: None)
+            times = {"in-process": [], "sidecar": []}
+            for i in range(args.passes + 3):
+                for name, compactor in (("in-process", local), ("sidecar", sidecar)):
+                    sync()
+                    start = time.perf_counter()
+                    compactor.compact(plans)
+                    sync()
+                    if i >= 3:  # warm-up
+                        times[name].append((time.perf_counter() - start) * 1e3)
+            sidecar.close()
+        finally:
+            server.terminate()
+            server.wait(30)
+            if shared is not None:
+                shared.close()
+    print(f"{'compactor':<12} {'p50 ms':>9} {'p99 ms':>9}")
+    for name, values in times.items():
+        print(f"{name:<12} {percentile(values, 0.5):>9.3f} {percentile(values, 0.99):>9.3f}")
+    added = [s - i for s, i in zip(times["sidecar"], times["in-process"], strict=True)]
+    print(
+        f"{'added':<12} {percentile(added, 0.5):>9.3f} {percentile(added, 0.99):>9.3f}"
+        f"   (sidecar - in-process, per pass; ratio of medians "
+        f"{statistics.median(times['sidecar']) / statistics.median(times['in-process']):.2f})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""A real compactor process (``python -m compactor_service``) started by the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from compactor_service.health import check_health, socket_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class CompactorProcess:
+    def __init__(self, workdir: Path, *extra: str, env: dict | None = None) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.socket = workdir / "sock" / "compactor.sock"
+        self.extra = extra
+        self.env = {**os.environ, **(env or {})}
+        self.log = workdir / "compactor.log"
+        self.stdout = workdir / "compactor.out"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return socket_target(str(self.socket))
+
+    def start(self, timeout_s: float = 60.0) -> CompactorProcess:
+        command = [
+            sys.executable,
+            "-m",
+            "compactor_service",
+            "--socket",
+            str(self.socket),
+            "--reap-interval-s",
+            "0.2",
+            "--drain-s",
+            "5",
+            *self.extra,
+        ]
+        with open(self.log, "ab") as log, open(self.stdout, "ab") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=log, env=self.env, cwd=ROOT)
+        self.wait_healthy(timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"compactor exited early:\n{self.log.read_text()[-2000:]}")
+            if self.socket.exists() and check_health(self.target, timeout_s=0.5):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"compactor not healthy in {timeout_s} s:\n{self.log.read_text()}")
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> int:
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(30)
+
+    def log_entries(self) -> list[dict]:
+        entries = []
+        for line in self.log.read_text().splitlines():
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # e.g. a warning printed by a library
+        return entries

@@ -1,0 +1,291 @@
+"""The compactor sidecar as a real second process over a shared-memory KV pool.
+
+Every test starts ``python -m compactor_service`` on a Unix socket, maps a CPU pool in
+shared memory (the same path a CPU scheduler uses) and talks gRPC to it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+
+from compactor_service.client import (
+    CompactionSkipped,
+    CompactorUnavailable,
+    FallbackCompactor,
+    GrpcCompactor,
+)
+from compactor_service.compactor import InProcessCompactor
+from compactor_service.health import check_health
+from compactor_service.plan import CompactionPlan, PlanError
+from compactor_service.shared_pool import create_shared_buffers
+from compactor_service.v1 import compactor_pb2 as pb
+from compactor_service.v1 import compactor_pb2_grpc as pb_grpc
+from compactor_service.wire import plan_to_proto
+from sglang_evict.planner import plan_compaction
+from sglang_evict_kernels import repack_kv_reference
+from tests.compactor_process import ROOT, CompactorProcess
+
+PAGE = 4
+LAYERS, SLOTS, HEADS, HEAD_DIM = 2, 64, 2, 8
+
+
+@pytest.fixture(scope="module")
+def compactor(tmp_path_factory):
+    """One compactor for the tests that do not stop or kill it."""
+    process = CompactorProcess(tmp_path_factory.mktemp("compactor")).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def pool(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    shared = create_shared_buffers(
+        num_layers=LAYERS,
+        num_slots=SLOTS,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+        page_size=PAGE,
+    )
+    for buffer in shared.k + shared.v:
+        buffer.copy_(torch.randn(buffer.shape, generator=generator))
+    yield shared
+    shared.close()
+
+
+def snapshot(shared) -> list[torch.Tensor]:
+    return [b.clone() for b in shared.k + shared.v]
+
+
+def two_request_plans() -> list[CompactionPlan]:
+    """Request A holds pages 2..4, request B pages 6..8 (12 entries each); both evict
+    scattered tokens so survivors of their last page move into holes."""
+    plans = []
+    for first_page in (2, 6):
+        row = torch.arange(first_page * PAGE, (first_page + 3) * PAGE, dtype=torch.int64)
+        survivors = torch.tensor([0, 2, 3, 5, 6, 9, 11])
+        plans.append(plan_compaction(row, survivors, page_size=PAGE, positions=torch.arange(12)))
+    return plans
+
+
+def test_socket_is_private_and_health_is_serving(compactor):
+    mode = stat.S_IMODE(os.stat(compactor.socket).st_mode)
+    assert mode == 0o600, oct(mode)
+    assert stat.S_IMODE(os.stat(compactor.socket.parent).st_mode) == 0o700
+    assert check_health(compactor.target)
+    with grpc.insecure_channel(compactor.target) as channel:
+        stats = pb_grpc.CompactorStub(channel).Stats(pb.StatsRequest(), timeout=5)
+    assert stats.pools == 0 and stats.epoch_base > 0
+
+
+def test_compact_moves_bytes_in_the_schedulers_memory_bit_exactly(compactor, pool):
+    plans = two_request_plans()
+    assert sum(p.num_moves for p in plans) > 0
+    expected = snapshot(pool)
+    src = torch.cat([p.src_slots for p in plans])
+    dst = torch.cat([p.dst_slots for p in plans])
+    repack_kv_reference(expected[:LAYERS], expected[LAYERS:], src, dst)
+    client = GrpcCompactor(compactor.target, pool.layout, timeout_s=10)
+    result = client.compact(plans)
+    assert result.slots_moved == src.numel()
+    assert result.bytes_moved == 2 * src.numel() * 2 * LAYERS * HEADS * HEAD_DIM * 2
+    for got, want in zip(pool.k + pool.v, expected, strict=True):
+        assert torch.equal(got, want)
+    client.close()
+
+
+def _bad_plan(kind: str, plans: list[CompactionPlan]) -> list[CompactionPlan]:
+    a, _ = plans
+    fields = dict(vars(a))
+    if kind == "slot out of range":
+        fields["src_slots"] = a.src_slots.clone()
+        fields["src_slots"][0] = SLOTS + 5
+        return [CompactionPlan(**fields)]
+    if kind == "slot moved twice":
+        fields["dst_slots"] = torch.cat([a.dst_slots, a.dst_slots[:1]])
+        fields["src_slots"] = torch.cat([a.src_slots, torch.tensor([a.new_row[-1].item() + 1])])
+        return [CompactionPlan(**fields)]
+    if kind == "destination in another request's row":
+        page = int(a.dst_slots[0]) // PAGE  # B claims the page A writes into
+        empty = torch.zeros(0, dtype=torch.int64)
+        row = torch.arange(page * PAGE, (page + 1) * PAGE, dtype=torch.int64)
+        intruder = CompactionPlan(PAGE, row, torch.arange(PAGE), empty, empty, empty, empty)
+        return [a, intruder]
+    if kind == "page structure broken":
+        fields["new_row"] = a.new_row.flip(0)
+        return [CompactionPlan(**fields)]
+    if kind == "page size differs from the pool's":
+        fields["page_size"] = 1
+        return [CompactionPlan(**fields)]
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("slot out of range", "outside [0, 64)"),
+        ("slot moved twice", "dst_slots repeats"),
+        ("destination in another request's row", "same slot in their new rows"),
+        ("page structure broken", "page offset"),
+        ("page size differs from the pool's", "page_size 1 != the pool's 4"),
+    ],
+)
+def test_invalid_plans_are_refused_precisely_and_move_nothing(compactor, pool, kind, message):
+    client = GrpcCompactor(compactor.target, pool.layout, timeout_s=10)
+    client.register()
+    before = snapshot(pool)
+    with pytest.raises(PlanError, match="the compactor refused the pass") as refused:
+        client.compact(_bad_plan(kind, two_request_plans()))
+    assert message in str(refused.value)
+    assert all(torch.equal(x, y) for x, y in zip(pool.k + pool.v, before, strict=True))
+    client.close()
+
+
+def test_unknown_pool_and_stale_epoch_get_their_status_codes(compactor, pool):
+    client = GrpcCompactor(compactor.target, pool.layout, timeout_s=10)
+    pool_id, epoch = client.register()
+    before = snapshot(pool)
+    plans = [plan_to_proto(p) for p in two_request_plans()]
+    with grpc.insecure_channel(compactor.target) as channel:
+        stub = pb_grpc.CompactorStub(channel)
+        for request, code, text in (
+            (pb.CompactRequest(pool_id="nope", epoch=epoch, plans=plans), "NOT_FOUND", "nope"),
+            (
+                pb.CompactRequest(pool_id=pool_id, epoch=epoch - 1, plans=plans),
+                "FAILED_PRECONDITION",
+                "stale",
+            ),
+        ):
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Compact(request, timeout=5)
+            assert error.value.code().name == code and text in error.value.details()
+    assert all(torch.equal(x, y) for x, y in zip(pool.k + pool.v, before, strict=True))
+    client.close()
+
+
+def test_a_missing_shared_memory_file_is_refused_at_registration(compactor, pool):
+    pool.close()  # the file is gone
+    client = GrpcCompactor(compactor.target, pool.layout, timeout_s=10)
+    with pytest.raises(ValueError, match="cannot open the pool's shared-memory file"):
+        client.register()
+
+
+def test_restarted_compactor_gives_a_new_epoch_and_the_client_re_registers(tmp_path, pool):
+    process = CompactorProcess(tmp_path).start()
+    client = GrpcCompactor(process.target, pool.layout, timeout_s=10)
+    _, first_epoch = client.register()
+    process.kill()
+    with pytest.raises(CompactorUnavailable, match="UNAVAILABLE"):
+        client.compact(two_request_plans())
+    process.start()
+    result = client.compact(two_request_plans())  # re-registers: unknown pool, then retry
+    assert result.slots_moved > 0 and client.epoch > first_epoch
+    client.close()
+    process.stop()
+
+
+def test_sigterm_drains_then_exits_zero_and_removes_the_socket(tmp_path):
+    process = CompactorProcess(tmp_path).start()
+    assert process.stop() == 0
+    assert not process.socket.exists()
+    messages = [e["msg"] for e in process.log_entries()]
+    assert messages[-2:] == ["shutdown requested", "compactor stopped"]
+
+
+def test_pools_of_an_exited_client_are_unregistered(compactor, pool):
+    script = (
+        "import sys, pickle\n"
+        "from compactor_service.client import GrpcCompactor\n"
+        "layout = pickle.loads(sys.stdin.buffer.read())\n"
+        f"GrpcCompactor({compactor.target!r}, layout).register()\n"
+    )
+    import pickle
+
+    subprocess.run(
+        [sys.executable, "-c", script],
+        input=pickle.dumps(pool.layout),
+        check=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    with grpc.insecure_channel(compactor.target) as channel:
+        stub = pb_grpc.CompactorStub(channel)
+        import time
+
+        deadline = time.monotonic() + 10
+        while stub.Stats(pb.StatsRequest(), timeout=5).pools and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stub.Stats(pb.StatsRequest(), timeout=5).pools == 0
+    assert any(e["msg"] == "pool of an exited client unregistered" for e in compactor.log_entries())
+
+
+def test_tcp_listener_only_when_asked(tmp_path):
+    from tests.redis_server import free_port
+
+    port = free_port()
+    process = CompactorProcess(tmp_path, "--tcp", f"127.0.0.1:{port}").start()
+    assert check_health(f"127.0.0.1:{port}")
+    process.stop()
+    default = CompactorProcess(tmp_path / "default").start()
+    assert not check_health(f"127.0.0.1:{port}", timeout_s=0.5)
+    default.stop()
+
+
+def test_fallback_completes_the_pass_in_process_when_the_sidecar_dies(tmp_path, pool):
+    process = CompactorProcess(tmp_path).start()
+    expected = snapshot(pool)
+    plans = two_request_plans()
+    src = torch.cat([p.src_slots for p in plans])
+    dst = torch.cat([p.dst_slots for p in plans])
+    repack_kv_reference(expected[:LAYERS], expected[LAYERS:], src, dst)
+    fallback = InProcessCompactor(pool.k, pool.v, page_size=PAGE)
+    compactor = FallbackCompactor(
+        GrpcCompactor(process.target, pool.layout, timeout_s=5), fallback, retry_interval_s=60
+    )
+    process.kill()
+    result = compactor.compact(plans)
+    assert compactor.fallback_passes == 1 and not compactor.sidecar_up
+    assert result.kernel == "torch-reference"
+    assert all(torch.equal(x, y) for x, y in zip(pool.k + pool.v, expected, strict=True))
+    skipping = FallbackCompactor(
+        GrpcCompactor(process.target, pool.layout, timeout_s=5),
+        fallback,
+        mode="skip",
+        retry_interval_s=60,
+    )
+    skipping.compact(plans)  # the failure that marks the sidecar down completes in-process
+    with pytest.raises(CompactionSkipped, match="pass skipped, nothing moved"):
+        skipping.compact(plans)
+
+
+def test_metrics_show_the_sidecar_down_and_count_fallbacks(tmp_path, pool):
+    from prometheus_client import CollectorRegistry
+
+    from sglang_evict import metrics as metric_names
+    from sglang_evict.metrics import EvictionMetrics
+
+    registry = CollectorRegistry()
+    recorder = EvictionMetrics.create("knorm", registry=registry)
+    nowhere = f"unix:{tmp_path / 'absent.sock'}"
+    compactor = FallbackCompactor(
+        GrpcCompactor(nowhere, pool.layout, timeout_s=1),
+        InProcessCompactor(pool.k, pool.v, page_size=PAGE),
+        retry_interval_s=60,
+    )
+    recorder.record_compactor(compactor)
+    assert registry.get_sample_value(metric_names.COMPACTOR_UP) == 1
+    compactor.compact(two_request_plans())
+    compactor.compact(two_request_plans())
+    recorder.record_compactor(compactor)
+    recorder.record_compactor(compactor)  # counts each fallback once
+    assert registry.get_sample_value(metric_names.COMPACTOR_UP) == 0
+    fallbacks = metric_names.COMPACTOR_FALLBACKS_TOTAL
+    assert registry.get_sample_value(fallbacks, {"mode": "inprocess"}) == 2
