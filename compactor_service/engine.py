@@ -16,6 +16,7 @@ pool registration that was replaced, is refused as stale.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 import uuid
@@ -48,6 +49,12 @@ class UnknownPool(LookupError):
 
 class StaleEpoch(RuntimeError):
     """The request carries an epoch other than the pool's current one."""
+
+
+class PassAbandoned(TimeoutError):
+    """The caller stopped waiting (deadline passed, call cancelled) before the kernel
+    started: nothing was moved. The caller may be completing the pass elsewhere, so a
+    late copy here could write slots it has already freed."""
 
 
 @dataclass
@@ -119,12 +126,16 @@ class CompactorEngine:
             self.pools.pop(pool_id, None)
 
     def drop_pools_of_dead_clients(self) -> list[str]:
-        """Unregister pools whose client process (``client_id`` = ``"<name>:<pid>"``) no
-        longer exists on this host; return their ids."""
+        """Unregister pools whose client process (``client_id`` =
+        ``"<name>:<host>:<pid>"``) ran on this host and no longer exists; return their
+        ids. Clients on other hosts (TCP) are left alone."""
         dropped = []
+        host = socket.gethostname()
         for pool in list(self.pools.values()):
-            pid = pool.client_id.rpartition(":")[2]
-            if pid.isdigit() and not _process_alive(int(pid)):
+            _, client_host, pid = (
+                pool.client_id.rsplit(":", 2) if pool.client_id.count(":") >= 2 else ("", "", "")
+            )
+            if client_host == host and pid.isdigit() and not _process_alive(int(pid)):
                 with pool.lock, self._lock:
                     self.pools.pop(pool.pool_id, None)
                 dropped.append(pool.pool_id)
@@ -150,9 +161,12 @@ class CompactorEngine:
         epoch: int,
         plans: Sequence[CompactionPlan],
         claim: LeaseClaim | None = None,
+        still_wanted: Callable[[], bool] | None = None,
     ) -> CompactResult:
         """Validate the batch, check the lease, run the kernel. Raises (moving nothing)
-        ``UnknownPool``, ``StaleEpoch``, ``PlanError`` or ``LeaseRefused``."""
+        ``UnknownPool``, ``StaleEpoch``, ``PlanError``, ``LeaseRefused``, or
+        ``PassAbandoned`` when ``still_wanted()`` is false once the pass's turn has come
+        (checked after waiting for the pool and the checks, right before the kernel)."""
         tracer = tracing.tracer()
         fault = self.fault_hook or _no_fault
         with tracer.start_as_current_span(tracing.SPAN_COMPACT) as span:
@@ -173,6 +187,10 @@ class CompactorEngine:
                     if self.leases is not None:
                         with tracer.start_as_current_span(tracing.SPAN_LEASE_CHECK):
                             check_leases(self.leases, claim, src, dst, pool.layout.page_size)
+                    if still_wanted is not None and not still_wanted():
+                        raise PassAbandoned(
+                            "the caller stopped waiting before the kernel started: nothing moved"
+                        )
                     fault("checked")
                     with tracer.start_as_current_span(tracing.SPAN_KERNEL):
                         kernel_start = time.perf_counter()

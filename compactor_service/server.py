@@ -8,8 +8,8 @@
 * Serves ``grpc.health.v1.Health``: SERVING once listening, NOT_SERVING while draining.
 * SIGTERM/SIGINT: health goes NOT_SERVING, in-flight passes finish (up to
   ``--drain-s``), then the process exits 0 and removes its socket.
-* Deadlines: a pass whose deadline has passed when its turn comes moves nothing
-  (DEADLINE_EXCEEDED).
+* Deadlines: a pass whose caller stopped waiting (deadline passed, call cancelled)
+  by the time its kernel would start moves nothing (DEADLINE_EXCEEDED).
 * Logs are JSON lines (``--log-format text`` for humans).
 * Pools whose client process has exited are unregistered (their mappings closed)
   within ``--reap-interval-s``.
@@ -35,7 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from compactor_service import tracing
 from compactor_service.compactor import LeaseRefused
-from compactor_service.engine import CompactorEngine, StaleEpoch, UnknownPool
+from compactor_service.engine import CompactorEngine, PassAbandoned, StaleEpoch, UnknownPool
 from compactor_service.health import DEFAULT_SOCKET, SERVICE_NAME
 from compactor_service.plan import PlanError
 from compactor_service.shared_pool import PoolMappingError
@@ -52,6 +52,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (LeaseRefused, grpc.StatusCode.ABORTED),  # fencing: a newer holder or no lease
     (PlanError, grpc.StatusCode.INVALID_ARGUMENT),
     (PoolMappingError, grpc.StatusCode.INVALID_ARGUMENT),
+    (PassAbandoned, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
 
 
@@ -62,6 +63,12 @@ def status_for(error: BaseException) -> grpc.StatusCode:
     if type(error).__name__ == "LeaseStoreUnavailable":
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
+
+
+def _still_wanted(context) -> bool:
+    """The client is still waiting: the call is active and its deadline not passed."""
+    remaining_s = context.time_remaining()
+    return context.is_active() and (remaining_s is None or remaining_s > 0)
 
 
 class CompactorServicer(pb_grpc.CompactorServicer):
@@ -107,7 +114,11 @@ class CompactorServicer(pb_grpc.CompactorServicer):
         try:
             plans = [plan_from_proto(p) for p in request.plans]
             result = self.engine.compact(
-                request.pool_id, request.epoch, plans, claim_from_proto(request)
+                request.pool_id,
+                request.epoch,
+                plans,
+                claim_from_proto(request),
+                still_wanted=lambda: _still_wanted(context),
             )
         except Exception as error:  # mapped to a status; nothing moved
             self._abort(context, error, "Compact")

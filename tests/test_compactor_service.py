@@ -289,3 +289,32 @@ def test_metrics_show_the_sidecar_down_and_count_fallbacks(tmp_path, pool):
     assert registry.get_sample_value(metric_names.COMPACTOR_UP) == 0
     fallbacks = metric_names.COMPACTOR_FALLBACKS_TOTAL
     assert registry.get_sample_value(fallbacks, {"mode": "inprocess"}) == 2
+
+
+def test_only_pools_of_exited_clients_on_this_host_are_reaped(pool):
+    import socket
+
+    from compactor_service.engine import CompactorEngine
+
+    engine = CompactorEngine()
+    gone = 2**22 + 12345  # above Linux's default pid_max: no such process
+    here = socket.gethostname()
+    remote, _ = engine.register_pool(pool.layout, f"scheduler:other-host:{gone}")
+    exited, _ = engine.register_pool(pool.layout, f"scheduler:{here}:{gone}")
+    alive, _ = engine.register_pool(pool.layout, f"scheduler:{here}:{os.getpid()}")
+    assert engine.drop_pools_of_dead_clients() == [exited]
+    assert set(engine.pools) == {remote, alive}
+
+
+def test_a_pass_whose_caller_stopped_waiting_moves_nothing(pool):
+    """Checked once the pass's turn has come, right before the kernel: a caller that
+    gave up may be completing the pass in-process, so a late copy must not start."""
+    from compactor_service.engine import CompactorEngine, PassAbandoned
+
+    engine = CompactorEngine()
+    pool_id, epoch = engine.register_pool(pool.layout, "test")
+    before = snapshot(pool)
+    with pytest.raises(PassAbandoned, match="nothing moved"):
+        engine.compact(pool_id, epoch, two_request_plans(), still_wanted=lambda: False)
+    assert all(torch.equal(x, y) for x, y in zip(pool.k + pool.v, before, strict=True))
+    assert engine.compact(pool_id, epoch, two_request_plans(), still_wanted=lambda: True)
