@@ -318,3 +318,26 @@ def test_a_pass_whose_caller_stopped_waiting_moves_nothing(pool):
         engine.compact(pool_id, epoch, two_request_plans(), still_wanted=lambda: False)
     assert all(torch.equal(x, y) for x, y in zip(pool.k + pool.v, before, strict=True))
     assert engine.compact(pool_id, epoch, two_request_plans(), still_wanted=lambda: True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU (not in CI)")
+def test_gpu_pool_is_mapped_by_cuda_ipc_and_compacted_bit_exactly(compactor):
+    """GPU only: the sidecar opens the scheduler's CUDA buffers by IPC handle once and
+    its Triton repack writes them in place; the reply comes after its kernel finished."""
+    from compactor_service.shared_pool import export_cuda_buffers
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shape = (SLOTS, HEADS, HEAD_DIM)
+    k = [torch.randn(shape, device="cuda", generator=generator).bfloat16() for _ in range(2)]
+    v = [torch.randn(shape, device="cuda", generator=generator).bfloat16() for _ in range(2)]
+    plans = two_request_plans()
+    expected_k, expected_v = [b.clone() for b in k], [b.clone() for b in v]
+    src = torch.cat([p.src_slots for p in plans])
+    dst = torch.cat([p.dst_slots for p in plans])
+    repack_kv_reference(expected_k, expected_v, src.cuda(), dst.cuda())
+    client = GrpcCompactor(compactor.target, export_cuda_buffers(k, v, PAGE), timeout_s=30)
+    result = client.compact(plans)
+    assert result.kernel == "triton" and result.slots_moved == src.numel()
+    for got, want in zip(k + v, expected_k + expected_v, strict=True):
+        assert torch.equal(got, want)
+    client.close()
