@@ -9,6 +9,10 @@ Subcommands:
                validated, unsupported SGLang flags refused, before anything starts.
     calibrate  compute the triattention scorer's per-head query statistics from an
                HF-format model and a text file.
+    eval       scorer quality on the reference model trained here, through the real
+               eviction path (JSON, Markdown table, plot); ``eval-gate`` turns a results
+               file into a canary exit code.
+    compactor  run the compactor sidecar; ``compactor-health`` is its exec probe.
 """
 
 from __future__ import annotations
@@ -476,6 +480,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="use the text's UTF-8 bytes as token ids (models without a tokenizer)",
     )
     cal.set_defaults(handler=_calibrate)
+
+    from sglang_evict.quality.cli import add_quality_commands
+
+    add_quality_commands(commands)
 
     from compactor_service.server import build_arg_parser
 

@@ -1,0 +1,263 @@
+"""The ``eval`` and ``eval-gate`` subcommands of ``sglang-evict``.
+
+``add_quality_commands(commands)`` registers both on the main parser's subparsers;
+handlers raise ``ValueError``/``FileNotFoundError`` for bad input, which the main
+command prints as ``sglang-evict <command>: error: ...`` with exit status 2.
+
+    sglang-evict eval --out benches/quality/results [--kvpress]
+    sglang-evict eval-gate --results benches/quality/results/results.json --floor 0.9 \\
+        --scorer knorm --budget 0.5
+
+``eval-gate`` exit status: 0 when every checked entry holds the floor, 1 when one
+does not (each is listed), 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "benches" / "quality" / "checkpoint"
+
+
+def _parse_budget(text: str) -> float:
+    """``0.25`` or ``25%``."""
+    text = text.strip()
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise ValueError(
+            f"budget {text!r} is neither a fraction (0.25) nor a percentage (25%)"
+        ) from None
+
+
+def _parse_page_size(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"page size {text!r} is not an integer") from None
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
+
+    if args.render_only:
+        return _render(Path(args.out))
+    if not torch_cuda_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before SGLang is imported
+    from sglang_evict.quality import harness
+
+    scorers = tuple(harness.parse_scorer_entry(s) for s in args.scorers.split(",") if s.strip())
+    if not scorers:
+        raise ValueError("--scorers names no scorer")
+    base = harness.QUICK_SETTINGS if args.quick else {}
+    spec = base.get("spec", harness.TaskSpec())
+    if args.facts or args.distractors or args.chain_steps:
+        spec = harness.TaskSpec(
+            num_facts=args.facts or spec.num_facts,
+            num_distractors=args.distractors
+            if args.distractors is not None
+            else spec.num_distractors,
+            chain_steps=args.chain_steps or spec.chain_steps,
+        )
+    policy = base.get("policy", harness.EvalPolicy())
+    policy = dataclasses.replace(
+        policy,
+        **{
+            k: v
+            for k, v in (
+                ("sink_tokens", args.kv_sink_tokens),
+                ("window_tokens", args.kv_window),
+                ("cadence_tokens", args.kv_cadence),
+            )
+            if v is not None
+        },
+    )
+    settings = harness.EvalSettings(
+        spec=spec,
+        variants=tuple(args.variants.split(",")),
+        num_sequences=args.sequences or base.get("num_sequences", 12),
+        seed=args.seed,
+        budget_fractions=tuple(_parse_budget(b) for b in args.budgets.split(",")),
+        page_sizes=tuple(_parse_page_size(p) for p in args.page_sizes.split(",")),
+        scorers=scorers,
+        policy=policy,
+        triattention_stats=args.triattention_stats,
+    )
+    out = Path(args.out)
+    start = time.perf_counter()
+    print(
+        f"eval: {len(settings.variants)} variants x {settings.num_sequences} sequences of "
+        f"{settings.spec.total_tokens} tokens; budgets {list(settings.budget_fractions)} -> "
+        f"{[settings.budget_tokens(f) for f in settings.budget_fractions]} tokens; page sizes "
+        f"{list(settings.page_sizes)}; scorers {[s.label for s in scorers]}"
+    )
+    results = harness.run_eval(args.checkpoint, settings, out, progress=not args.no_progress)
+    harness.write_results(results, out / "results.json")  # kept if the kvpress part fails
+    if args.kvpress:
+        results["kvpress"] = _run_kvpress(args, settings, out, results)
+    results["wall_s"] = round(time.perf_counter() - start, 1)
+    harness.write_results(results, out / "results.json")
+    return _render(out)
+
+
+def _render(out: Path) -> int:
+    """results.png and results.md from ``out/results.json``; prints the table."""
+    from sglang_evict.quality import report
+
+    results = report.load_results(out / "results.json")
+    png_path = report.plot(results, out / "results.png")
+    table = report.markdown_table(results)
+    (out / "results.md").write_text(table, encoding="utf-8")
+    print(table)
+    for skip in results["skipped"]:
+        print(
+            f"skipped {skip['engine']} {skip['method']} budget {skip['budget_fraction']}: "
+            f"{skip['reason']}"
+        )
+    print(
+        f"wrote {out / 'results.json'}, {png_path}, {out / 'results.md'} "
+        f"(eval wall time {results['wall_s']:.0f} s)"
+    )
+    return 0
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _run_kvpress(args, settings, out: Path, results: dict) -> dict:
+    from sglang_evict.quality import kvpress_bridge
+    from sglang_evict.quality.kvpress_peer import MODES, PRESSES
+
+    venv = Path(args.kvpress_venv) if args.kvpress_venv else kvpress_bridge.default_venv()
+    try:
+        print(f"kvpress: environment {venv} (created if missing)")
+        versions = kvpress_bridge.ensure_venv(venv, create=not args.kvpress_no_setup)
+        job = kvpress_bridge.write_job(
+            out / "kvpress_job.json",
+            checkpoint=Path(args.checkpoint),
+            samples=settings.samples(),
+            budgets=[(f, settings.budget_tokens(f)) for f in settings.budget_fractions],
+            presses=list(PRESSES),
+            modes=list(MODES),
+            cadence_tokens=settings.policy.cadence_tokens,
+            sink_tokens=settings.policy.sink_tokens,
+        )
+        peer = kvpress_bridge.run_peer(
+            venv, job, out / "kvpress_results.json", progress=not args.no_progress
+        )
+    except kvpress_bridge.KVPressUnavailable as error:
+        print(f"kvpress: not run: {error}")
+        return {"status": "not run", "reason": str(error)}
+    results["entries"].extend(peer["entries"])
+    results["skipped"].extend(peer["skipped"])
+    return {"status": "ok", "venv": str(venv), "versions": peer["versions"] | versions}
+
+
+def _eval_gate(args: argparse.Namespace) -> int:
+    from sglang_evict.quality import report
+
+    results = report.load_results(args.results)
+    checked, failures = report.gate(
+        results,
+        args.floor,
+        scorers=args.scorer,
+        budgets=[_parse_budget(b) for b in args.budget] if args.budget else None,
+        page_sizes=args.page_size,
+        engines=args.engine,
+        full_cache_floor=args.full_cache_floor,
+    )
+    if failures:
+        print(f"eval-gate: FAIL: {len(failures)} of {len(checked)} checked entries below the floor")
+        for failure in failures:
+            print(f"  {failure.describe()}")
+        return 1
+    print(
+        f"eval-gate: ok: {len(checked)} entries at or above {args.floor:g} of the full cache's "
+        f"step accuracy"
+    )
+    return 0
+
+
+def add_quality_commands(commands) -> None:
+    """Register ``eval`` and ``eval-gate`` on ``commands`` (argparse subparsers)."""
+    from sglang_evict.quality.harness import DEFAULT_BUDGETS, DEFAULT_PAGE_SIZES, DEFAULT_SCORERS
+    from sglang_evict.quality.task import VARIANTS
+
+    ev = commands.add_parser(
+        "eval",
+        help="scorer quality on the trained reference model through the real eviction path",
+        description="Run the recall-chain task (benches/quality) on the reference model "
+        "for every scorer x budget x page size through SGLang's memory classes and the "
+        "plugin (CPU reference loop), with a full-cache reference; optionally kvpress on "
+        "the same model and sequences. Writes results.json, results.png and results.md "
+        "to --out.",
+    )
+    ev.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="model folder")
+    ev.add_argument("--out", default="quality-results", help="output folder")
+    ev.add_argument("--quick", action="store_true", help="small task, 2 sequences per variant")
+    ev.add_argument("--sequences", type=int, default=0, help="sequences per variant")
+    ev.add_argument("--seed", type=int, default=0, help="held-out data seed")
+    ev.add_argument(
+        "--scorers",
+        default=",".join(DEFAULT_SCORERS),
+        help="comma-separated; name or name:param=value[:param=value]",
+    )
+    ev.add_argument(
+        "--budgets",
+        default=",".join(f"{b:g}" for b in DEFAULT_BUDGETS),
+        help="fractions of the sequence (0.25 or 25%%)",
+    )
+    ev.add_argument("--page-sizes", default=",".join(map(str, DEFAULT_PAGE_SIZES)))
+    ev.add_argument("--variants", default=",".join(VARIANTS))
+    ev.add_argument("--facts", type=int, default=0, help="facts per sequence")
+    ev.add_argument("--distractors", type=int, default=None, help="distractor tokens")
+    ev.add_argument("--chain-steps", type=int, default=0, help="answer steps")
+    ev.add_argument("--kv-sink-tokens", type=int, default=None)
+    ev.add_argument("--kv-window", type=int, default=None)
+    ev.add_argument("--kv-cadence", type=int, default=None)
+    ev.add_argument(
+        "--triattention-stats",
+        default=None,
+        help="stats file; default: calibrate from the checkpoint",
+    )
+    ev.add_argument("--kvpress", action="store_true", help="also run kvpress 0.5.5 as a peer")
+    ev.add_argument("--kvpress-venv", default=None, help="kvpress environment folder")
+    ev.add_argument(
+        "--kvpress-no-setup",
+        action="store_true",
+        help="do not create the kvpress environment when it is missing",
+    )
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ev.add_argument(
+        "--render-only",
+        action="store_true",
+        help="run nothing: redraw results.png and results.md from --out/results.json",
+    )
+    ev.set_defaults(handler=_eval)
+
+    gate = commands.add_parser(
+        "eval-gate",
+        help="exit non-zero when a scorer/budget falls below a floor relative to full cache",
+        description="Check an `sglang-evict eval` results file: every selected entry's "
+        "step accuracy divided by its full-cache step accuracy must be >= --floor. Exit 0 "
+        "when all hold, 1 listing the failures, 2 on bad input.",
+    )
+    gate.add_argument("--results", required=True, help="results.json from sglang-evict eval")
+    gate.add_argument("--floor", type=float, required=True, help="e.g. 0.9")
+    gate.add_argument("--scorer", action="append", help="only this scorer (repeatable)")
+    gate.add_argument("--budget", action="append", help="only this budget (repeatable)")
+    gate.add_argument("--page-size", type=int, action="append", help="only this page size")
+    gate.add_argument("--engine", action="append", help="sglang-evict (default) or kvpress")
+    gate.add_argument(
+        "--full-cache-floor",
+        type=float,
+        default=None,
+        help="also require the full cache's absolute step accuracy",
+    )
+    gate.set_defaults(handler=_eval_gate)
