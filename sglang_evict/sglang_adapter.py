@@ -773,7 +773,9 @@ class MemoryDriver:
 
         req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=1 << 20))
         req.extra_key = extra_key
-        match = self.match(prompt, extra_key)
+        # As SGLang's scheduler does (max_prefix_len = input_len - 1): at least one
+        # prompt token is computed, so a fully cached prompt still yields logits.
+        match = self.match(prompt[:-1], extra_key)
         prefix = match.device_indices
         req.prefix_indices, req.last_node = prefix, match.last_device_node
         req.cache_protected_len = len(prefix)

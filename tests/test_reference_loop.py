@@ -160,3 +160,18 @@ def test_mixed_requests_through_the_model_free_planned_pages_and_leak_nothing(hf
     assert driver.cache.protected_size() == 0
     assert driver.free_tokens() + driver.cache.evictable_size() == driver.num_tokens
     driver.cache.check_invariants()
+
+
+def test_a_fully_cached_prompt_still_prefills_its_last_token(hf_model):
+    """Two requests with one prompt: the second matches all but the last token (as
+    SGLang's scheduler limits the match) and generates what the first generated."""
+    model = PagedLlama(hf_model)
+    driver = driver_for(hf_model, 4, policy(4))
+    requests = [
+        GenerationRequest("first", PROMPT, max_new_tokens=60),
+        GenerationRequest("again", PROMPT, max_new_tokens=60, arrival_step=70),
+    ]
+    result = generate(driver, model, requests)
+    assert result.outputs["again"] == result.outputs["first"]
+    assert driver.free_tokens() + driver.cache.evictable_size() == driver.num_tokens
+    driver.cache.check_invariants()
