@@ -136,13 +136,13 @@ def test_redis_outage_refuses_leases_and_restart_keeps_tokens_growing(tmp_path):
         store.acquire("r2", "compactor-1", ttl_ms=TTL_MS)
     with pytest.raises(LeaseStoreUnavailable):
         store.is_current("r", before.token)
-    RedisServer(tmp_path, port=server.port).start()  # restarted empty (no persistence)
+    restarted = RedisServer(tmp_path, port=server.port).start()  # empty: no persistence
     try:
         after = store.acquire("r", "compactor-2", ttl_ms=TTL_MS)
         assert after is not None and after.token > before.token  # fencing survives restarts
         assert not store.is_current("r", before.token)
     finally:
-        RedisServer(tmp_path, port=server.port).stop()
+        restarted.stop()
 
 
 CONTENDER = """
