@@ -93,7 +93,6 @@ class GrpcCompactor:
         self.pool_id: str | None = None
         self.epoch: int | None = None
         self._layout_proto = layout_to_proto(layout)
-        self.kernel = "sidecar"
 
     def register(self) -> tuple[str, int]:
         try:

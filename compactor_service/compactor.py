@@ -13,13 +13,14 @@ pool's own buffers. ``compactor_service.client.GrpcCompactor`` implements the sa
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from compactor_service import tracing
 from compactor_service.leases import LeaseStore
 from compactor_service.plan import CompactionPlan, PlanError
 from sglang_evict_kernels import repack_kv_reference, repack_kv_triton
@@ -35,12 +36,28 @@ class CompactResult:
 
     slots_moved: int
     bytes_moved: int  # read + written, all layers, K and V
-    duration_s: float
+    duration_s: float  # validation + lease check + kernel
     kernel: str
+    kernel_s: float = 0.0  # the kernel alone
 
 
 class LeaseRefused(PlanError):
     """The batch's lease is stale or expired, or it touches pages pinned by others."""
+
+
+class PassAbandoned(TimeoutError):
+    """The caller stopped waiting (deadline passed, call cancelled) before the kernel
+    started: nothing was moved. The caller may be completing the pass elsewhere, so a
+    late copy could write slots it has already freed."""
+
+
+# Points of a pass where a fault hook (tests) may strike: before validation, after the
+# lease check, halfway through the moves, after the moves.
+FAULT_POINTS = ("received", "checked", "mid-copy", "copied")
+
+
+def _no_fault(point: str) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -102,7 +119,8 @@ class InProcessCompactor:
         v_buffers: Sequence[Tensor],
         kernel: str = "auto",
         leases: LeaseStore | None = None,
-        page_size: int = 1,
+        page_size: int | None = None,
+        synchronize: bool = False,
     ) -> None:
         if len(k_buffers) != len(v_buffers) or not k_buffers:
             raise ValueError("need one K and one V buffer per layer (at least one layer)")
@@ -110,9 +128,15 @@ class InProcessCompactor:
             kernel = KERNEL_TRITON if k_buffers[0].is_cuda else KERNEL_TORCH_REFERENCE
         if kernel not in KERNELS:
             raise ValueError(f"unknown repack kernel {kernel!r}; known: {sorted(KERNELS)}")
+        if leases is not None and page_size is None:
+            raise ValueError("a compactor checking leases needs the pool's page_size")
         self.kernel = kernel
         self.leases = leases
+        # The pool's page size: plans of another page size are refused (None: any).
         self.page_size = page_size
+        # Wait for the kernel before returning (a compactor in another process than the
+        # one that reads the moved slots next); in-process, stream order suffices.
+        self.synchronize = synchronize
         self.k_buffers = list(k_buffers)
         self.v_buffers = list(v_buffers)
         self.num_slots = min(b.shape[0] for b in (*self.k_buffers, *self.v_buffers))
@@ -121,18 +145,55 @@ class InProcessCompactor:
         )
 
     def compact(
-        self, plans: Sequence[CompactionPlan], claim: LeaseClaim | None = None
+        self,
+        plans: Sequence[CompactionPlan],
+        claim: LeaseClaim | None = None,
+        *,
+        still_wanted: Callable[[], bool] | None = None,
+        fault: Callable[[str], None] | None = None,
     ) -> CompactResult:
+        """Validate → check the lease → (``still_wanted()``, else ``PassAbandoned``) →
+        kernel. ``fault`` is called at each of ``FAULT_POINTS`` (fault injection)."""
+        tracer = tracing.tracer()
+        hook = fault or _no_fault
         start = time.perf_counter()
-        src, dst = validate_batch(plans, self.num_slots)
+        hook("received")
+        with tracer.start_as_current_span(tracing.SPAN_VALIDATE):
+            if self.page_size is not None:
+                for index, plan in enumerate(plans):
+                    if plan.page_size != self.page_size:
+                        raise PlanError(
+                            f"plan {index}: page_size {plan.page_size} != the pool's "
+                            f"{self.page_size}"
+                        )
+            src, dst = validate_batch(plans, self.num_slots)
         if self.leases is not None:
-            check_leases(self.leases, claim, src, dst, self.page_size)
-        self.copy(src, dst)
+            with tracer.start_as_current_span(tracing.SPAN_LEASE_CHECK):
+                check_leases(self.leases, claim, src, dst, self.page_size)
+        if still_wanted is not None and not still_wanted():
+            raise PassAbandoned(
+                "the caller stopped waiting before the kernel started: nothing moved"
+            )
+        hook("checked")
+        with tracer.start_as_current_span(tracing.SPAN_KERNEL):
+            kernel_start = time.perf_counter()
+            if fault is None:
+                self.copy(src, dst)
+            else:
+                half = src.numel() // 2
+                self.copy(src[:half], dst[:half])
+                hook("mid-copy")
+                self.copy(src[half:], dst[half:])
+            if self.synchronize:
+                torch.cuda.synchronize(self.k_buffers[0].device)
+            kernel_s = time.perf_counter() - kernel_start
+        hook("copied")
         return CompactResult(
             slots_moved=int(src.numel()),
             bytes_moved=2 * int(src.numel()) * self.bytes_per_slot,
             duration_s=time.perf_counter() - start,
             kernel=self.kernel,
+            kernel_s=kernel_s,
         )
 
     def copy(self, src: Tensor, dst: Tensor) -> None:

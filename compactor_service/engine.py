@@ -23,23 +23,16 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from compactor_service import tracing
 from compactor_service.compactor import (
+    FAULT_POINTS,
     CompactResult,
     InProcessCompactor,
     LeaseClaim,
-    check_leases,
-    validate_batch,
 )
 from compactor_service.leases import LeaseStore
-from compactor_service.plan import CompactionPlan, PlanError
+from compactor_service.plan import CompactionPlan
 from compactor_service.shared_pool import DEVICE_CUDA, PoolLayout, map_buffers
-
-# Points of a pass where fault injection may strike: before validation, after the
-# lease check, halfway through the moves, after the moves (before the reply).
-FAULT_POINTS = ("received", "checked", "mid-copy", "copied")
 
 
 class UnknownPool(LookupError):
@@ -49,12 +42,6 @@ class UnknownPool(LookupError):
 
 class StaleEpoch(RuntimeError):
     """The request carries an epoch other than the pool's current one."""
-
-
-class PassAbandoned(TimeoutError):
-    """The caller stopped waiting (deadline passed, call cancelled) before the kernel
-    started: nothing was moved. The caller may be completing the pass elsewhere, so a
-    late copy here could write slots it has already freed."""
 
 
 @dataclass
@@ -106,7 +93,13 @@ class CompactorEngine:
         """Map ``layout`` (once) and return ``(pool_id, epoch)``."""
         k, v = map_buffers(layout)  # raises PoolMappingError, maps nothing on failure
         compactor = InProcessCompactor(
-            k, v, kernel=self.kernel, leases=self.leases, page_size=layout.page_size
+            k,
+            v,
+            kernel=self.kernel,
+            leases=self.leases,
+            page_size=layout.page_size,
+            # The reply means the bytes landed: the scheduler reads moved slots next.
+            synchronize=layout.device == DEVICE_CUDA,
         )
         pool = _Pool(
             pool_id=uuid.uuid4().hex,
@@ -167,68 +160,25 @@ class CompactorEngine:
         ``UnknownPool``, ``StaleEpoch``, ``PlanError``, ``LeaseRefused``, or
         ``PassAbandoned`` when ``still_wanted()`` is false once the pass's turn has come
         (checked after waiting for the pool and the checks, right before the kernel)."""
-        tracer = tracing.tracer()
-        fault = self.fault_hook or _no_fault
-        with tracer.start_as_current_span(tracing.SPAN_COMPACT) as span:
-            start = time.perf_counter()
+        with tracing.tracer().start_as_current_span(tracing.SPAN_COMPACT) as span:
             try:
-                fault("received")
                 pool = self._pool(pool_id, epoch)
                 with pool.lock:
-                    compactor = pool.compactor
-                    with tracer.start_as_current_span(tracing.SPAN_VALIDATE):
-                        for index, plan in enumerate(plans):
-                            if plan.page_size != pool.layout.page_size:
-                                raise PlanError(
-                                    f"plan {index}: page_size {plan.page_size} != the "
-                                    f"pool's {pool.layout.page_size}"
-                                )
-                        src, dst = validate_batch(plans, compactor.num_slots)
-                    if self.leases is not None:
-                        with tracer.start_as_current_span(tracing.SPAN_LEASE_CHECK):
-                            check_leases(self.leases, claim, src, dst, pool.layout.page_size)
-                    if still_wanted is not None and not still_wanted():
-                        raise PassAbandoned(
-                            "the caller stopped waiting before the kernel started: nothing moved"
-                        )
-                    fault("checked")
-                    with tracer.start_as_current_span(tracing.SPAN_KERNEL):
-                        kernel_start = time.perf_counter()
-                        if self.fault_hook is None:
-                            compactor.copy(src, dst)
-                        else:
-                            half = src.numel() // 2
-                            compactor.copy(src[:half], dst[:half])
-                            fault("mid-copy")
-                            compactor.copy(src[half:], dst[half:])
-                        if pool.layout.device == DEVICE_CUDA:
-                            # The reply means the bytes landed: the scheduler reads moved
-                            # slots right after it.
-                            torch.cuda.synchronize(compactor.k_buffers[0].device)
-                        kernel_s = time.perf_counter() - kernel_start
-                    fault("copied")
+                    result = pool.compactor.compact(
+                        plans, claim, still_wanted=still_wanted, fault=self.fault_hook
+                    )
             except Exception:
                 self.stats.passes_rejected += 1
                 raise
-            result = CompactResult(
-                slots_moved=int(src.numel()),
-                bytes_moved=2 * int(src.numel()) * compactor.bytes_per_slot,
-                duration_s=time.perf_counter() - start,
-                kernel=compactor.kernel,
-            )
             self.stats.passes += 1
             self.stats.slots_moved += result.slots_moved
             self.stats.bytes_moved += result.bytes_moved
-            self.stats.kernel_seconds += kernel_s
+            self.stats.kernel_seconds += result.kernel_s
             span.set_attribute(tracing.ATTR_SLOTS_MOVED, result.slots_moved)
             span.set_attribute(tracing.ATTR_BYTES_MOVED, result.bytes_moved)
             span.set_attribute(tracing.ATTR_KERNEL, result.kernel)
             span.set_attribute(tracing.ATTR_EPOCH, epoch)
             return result
-
-
-def _no_fault(point: str) -> None:
-    return None
 
 
 def random_kill_hook(seed: int, probability: float) -> Callable[[str], None]:

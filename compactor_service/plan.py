@@ -38,6 +38,17 @@ def _duplicates(values: Tensor) -> list[int]:
     return unique[counts > 1].tolist()
 
 
+# The plan's int64 arrays (checked here, carried as bytes on the wire).
+ARRAY_FIELDS = (
+    "new_row",
+    "new_positions",
+    "src_slots",
+    "dst_slots",
+    "freed_pages",
+    "claimed_pages",
+)
+
+
 @dataclass(frozen=True)
 class CompactionPlan:
     """One request's compaction pass.
@@ -85,14 +96,7 @@ class CompactionPlan:
         """
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise PlanError(f"page_size must be a positive integer, got {self.page_size!r}")
-        for name in (
-            "new_row",
-            "new_positions",
-            "src_slots",
-            "dst_slots",
-            "freed_pages",
-            "claimed_pages",
-        ):
+        for name in ARRAY_FIELDS:
             _int64_1d(name, getattr(self, name))
         if self.new_positions.shape != self.new_row.shape:
             raise PlanError("new_positions and new_row differ in length")

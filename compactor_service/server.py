@@ -34,10 +34,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from compactor_service import tracing
-from compactor_service.compactor import LeaseRefused
-from compactor_service.engine import CompactorEngine, PassAbandoned, StaleEpoch, UnknownPool
+from compactor_service.compactor import LeaseRefused, PassAbandoned
+from compactor_service.engine import CompactorEngine, StaleEpoch, UnknownPool
 from compactor_service.health import DEFAULT_SOCKET, SERVICE_NAME
 from compactor_service.plan import PlanError
+from compactor_service.redis_leases import LeaseStoreUnavailable
 from compactor_service.shared_pool import PoolMappingError
 from compactor_service.v1 import compactor_pb2 as pb
 from compactor_service.v1 import compactor_pb2_grpc as pb_grpc
@@ -53,6 +54,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (PlanError, grpc.StatusCode.INVALID_ARGUMENT),
     (PoolMappingError, grpc.StatusCode.INVALID_ARGUMENT),
     (PassAbandoned, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (LeaseStoreUnavailable, grpc.StatusCode.UNAVAILABLE),
 )
 
 
@@ -60,8 +62,6 @@ def status_for(error: BaseException) -> grpc.StatusCode:
     for kind, code in _STATUS:
         if isinstance(error, kind):
             return code
-    if type(error).__name__ == "LeaseStoreUnavailable":
-        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
 

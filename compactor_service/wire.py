@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from compactor_service.compactor import LeaseClaim
-from compactor_service.plan import CompactionPlan, PlanError
+from compactor_service.plan import ARRAY_FIELDS, CompactionPlan, PlanError
 from compactor_service.shared_pool import (
     DEVICE_CPU,
     DEVICE_CUDA,
@@ -21,14 +21,6 @@ from compactor_service.shared_pool import (
 )
 from compactor_service.v1 import compactor_pb2 as pb
 
-_PLAN_ARRAYS = (
-    "new_row",
-    "new_positions",
-    "src_slots",
-    "dst_slots",
-    "freed_pages",
-    "claimed_pages",
-)
 _DEVICES = {DEVICE_CPU: pb.DEVICE_CPU, DEVICE_CUDA: pb.DEVICE_CUDA}
 _DEVICE_NAMES = {value: name for name, value in _DEVICES.items()}
 _LE64 = np.dtype("<i8")
@@ -45,14 +37,14 @@ def le64_to_tensor(name: str, data: bytes) -> Tensor:
 
 
 def plan_to_proto(plan: CompactionPlan, rid: str = "") -> pb.Plan:
-    fields = {f"{name}_le64": tensor_to_le64(getattr(plan, name)) for name in _PLAN_ARRAYS}
+    fields = {f"{name}_le64": tensor_to_le64(getattr(plan, name)) for name in ARRAY_FIELDS}
     return pb.Plan(rid=rid, page_size=plan.page_size, **fields)
 
 
 def plan_from_proto(message: pb.Plan) -> CompactionPlan:
     arrays = {
         name: le64_to_tensor(f"{message.rid or 'plan'}.{name}", getattr(message, f"{name}_le64"))
-        for name in _PLAN_ARRAYS
+        for name in ARRAY_FIELDS
     }
     return CompactionPlan(page_size=int(message.page_size), **arrays)
 

@@ -231,16 +231,15 @@ def _demo(args: argparse.Namespace) -> int:
     config = _config_from_args(args)
     hf_model = build_tiny_llama(seed=args.seed)
     model_config = hf_model.config
+    model = PagedLlama(hf_model)
     page_size = config.page_size
     num_slots = args.requests * (args.prompt_tokens + args.new_tokens + 2 * page_size) + 64
 
     def make_driver(policy):
-        return MemoryDriver(
+        return MemoryDriver.for_model(
+            model,
             page_size=page_size,
-            num_tokens=-(-num_slots // page_size) * page_size,
-            num_layers=model_config.num_hidden_layers,
-            num_kv_heads=model_config.num_key_value_heads,
-            head_dim=model_config.hidden_size // model_config.num_attention_heads,
+            num_tokens=num_slots,
             config=policy,
             max_context=args.prompt_tokens + args.new_tokens + 8,
         )
@@ -265,7 +264,6 @@ def _demo(args: argparse.Namespace) -> int:
         f"{page_size}, budget {config.kv_budget_tokens}, cadence {config.cadence_tokens}, "
         f"scorer {config.scorer}, compaction {config.compaction}"
     )
-    model = PagedLlama(hf_model)
     bar = tqdm(total=args.new_tokens, desc="with eviction", unit="step", leave=False)
     shown = [0]
 

@@ -694,6 +694,20 @@ class MemoryDriver:
     returns. Used by ``sglang-evict demo`` and the tests.
     """
 
+    @classmethod
+    def for_model(cls, model, *, page_size: int, num_tokens: int, **kwargs):
+        """A driver whose KV pool fits ``model`` (a ``PagedLlama``: layers, KV heads,
+        head dim, dtype), with ``num_tokens`` rounded up to whole pages."""
+        return cls(
+            page_size=page_size,
+            num_tokens=-(-num_tokens // page_size) * page_size,
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=model.dtype,
+            **kwargs,
+        )
+
     def __init__(
         self,
         *,

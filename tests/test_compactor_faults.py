@@ -31,15 +31,8 @@ def make_driver(model, **compactor_fields) -> MemoryDriver:
         page_size=PAGE,
         **compactor_fields,
     )
-    c = model.model.config
-    return MemoryDriver(
-        page_size=PAGE,
-        num_tokens=2048,
-        num_layers=c.num_hidden_layers,
-        num_kv_heads=c.num_key_value_heads,
-        head_dim=c.hidden_size // c.num_attention_heads,
-        config=config,
-        max_context=512,
+    return MemoryDriver.for_model(
+        model, page_size=PAGE, num_tokens=2048, config=config, max_context=512
     )
 
 

@@ -309,7 +309,8 @@ def test_only_pools_of_exited_clients_on_this_host_are_reaped(pool):
 def test_a_pass_whose_caller_stopped_waiting_moves_nothing(pool):
     """Checked once the pass's turn has come, right before the kernel: a caller that
     gave up may be completing the pass in-process, so a late copy must not start."""
-    from compactor_service.engine import CompactorEngine, PassAbandoned
+    from compactor_service.compactor import PassAbandoned
+    from compactor_service.engine import CompactorEngine
 
     engine = CompactorEngine()
     pool_id, epoch = engine.register_pool(pool.layout, "test")

@@ -239,7 +239,7 @@ def test_app_version_is_the_package_version():
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
-        tomllib = pytest.importorskip("tomli")
+        tomllib = pytest.importorskip("tomli", reason="Python 3.10 reads TOML with tomli")
     package_version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     chart_meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart_meta["appVersion"] == package_version

@@ -23,15 +23,8 @@ def hf_model():
 
 
 def driver_for(model, page_size, config=None, num_tokens=4096):
-    c = model.config
-    return MemoryDriver(
-        page_size=page_size,
-        num_tokens=num_tokens,
-        num_layers=c.num_hidden_layers,
-        num_kv_heads=c.num_key_value_heads,
-        head_dim=c.hidden_size // c.num_attention_heads,
-        dtype=DTYPE,
-        config=config,
+    return MemoryDriver.for_model(
+        PagedLlama(model), page_size=page_size, num_tokens=num_tokens, config=config
     )
 
 

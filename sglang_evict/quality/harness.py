@@ -213,22 +213,19 @@ def run_sequence(model, sample: Sample, page_size: int, config=None, on_step=Non
     from sglang_evict.reference_loop import GenerationRequest, generate
     from sglang_evict.reference_model import PagedLlama
 
-    hf_config = model.config
+    paged = PagedLlama(model)
     length = sample.spec.total_tokens
-    num_slots = length + 4 * page_size
-    driver = TeacherForcedDriver(
+    driver = TeacherForcedDriver.for_model(
+        paged,
         forced={"s": sample.forced},
         page_size=page_size,
-        num_tokens=-(-num_slots // page_size) * page_size,
-        num_layers=hf_config.num_hidden_layers,
-        num_kv_heads=hf_config.num_key_value_heads,
-        head_dim=hf_config.hidden_size // hf_config.num_attention_heads,
+        num_tokens=length + 4 * page_size,
         config=config,
         max_requests=2,
         max_context=length + 2 * page_size,
     )
     request = GenerationRequest("s", list(sample.prompt), len(sample.forced) + len(sample.answer))
-    return generate(driver, PagedLlama(model), [request], on_step=on_step)
+    return generate(driver, paged, [request], on_step=on_step)
 
 
 def run_sequences(
