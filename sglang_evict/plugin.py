@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 def register() -> None:
-    # Importing the adapter checks the SGLang version before any internal is touched.
-    from sglang_evict.sglang_adapter import install
+    # Importing sglang_evict.srt checks the SGLang version before any internal is touched.
+    from sglang_evict.srt import install
 
     install()

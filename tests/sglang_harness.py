@@ -23,7 +23,9 @@ from sglang.srt.runtime_context import get_server_args
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.sglang_adapter import EvictingRadixCache, MemoryDriver, free_slots
+from sglang_evict.srt.backend import EvictingRadixCache
+from sglang_evict.srt.cpu_driver import MemoryDriver
+from sglang_evict.srt.pools import free_slots
 
 NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 2, 8
 

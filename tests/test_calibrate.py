@@ -11,7 +11,7 @@ from sglang_evict.reference_loop import GenerationRequest, generate
 from sglang_evict.reference_model import PagedLlama, build_tiny_llama
 from sglang_evict.scorers.triattention import split_rope_pairs
 from sglang_evict.scorers.triattention_stats import load_stats
-from sglang_evict.sglang_adapter import MemoryDriver
+from sglang_evict.srt.cpu_driver import MemoryDriver
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 30
 

@@ -18,18 +18,10 @@ from sglang.srt.server_args import ServerArgs
 from sglang_evict import metrics as metric_names
 from sglang_evict.config import EvictionConfig
 from sglang_evict.metrics import EvictionMetrics
-from sglang_evict.sglang_adapter import (
-    CONFIG_ENV,
-    SGLANG_VERSION_TARGET,
-    EvictingRadixCache,
-    _Active,
-    _after_forward_batch_init_new,
-    check_sglang_version,
-    config_from_env,
-    radix_cache_factory,
-    unsupported_server_args,
-    version_problem,
-)
+from sglang_evict.srt import SGLANG_VERSION_TARGET, check_sglang_version, version_problem
+from sglang_evict.srt.backend import EvictingRadixCache, _Active, radix_cache_factory
+from sglang_evict.srt.hooks import _after_forward_batch_init_new
+from sglang_evict.srt.server_args import CONFIG_ENV, config_from_env, unsupported_server_args
 from tests.sglang_harness import Engine
 
 
@@ -61,7 +53,7 @@ def test_entry_point_registers_backend_and_hooks_in_a_fresh_sglang_process():
 def test_importing_the_plugin_module_has_no_side_effects():
     script = (
         "import sys, sglang_evict.plugin; "
-        "print('sglang_evict.sglang_adapter' in sys.modules, 'sglang' in sys.modules)"
+        "print('sglang_evict.srt' in sys.modules, 'sglang' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.stdout.split() == ["False", "False"]
@@ -237,7 +229,7 @@ def test_decode_hook_replaces_batch_lengths_keeping_their_dtypes():
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_evict.sglang_adapter import compact_decode_batch
+    from sglang_evict.srt.hooks import compact_decode_batch
 
     config = EvictionConfig(kv_budget_tokens=64, cadence_tokens=16, window_tokens=16, page_size=16)
     engine = Engine(page_size=16, config=config)

@@ -27,7 +27,7 @@ def global_keys(token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
 def run_request(heads: slice, reducer=None) -> list[list[int]]:
     """Decode one request; return the logical positions kept after each pass."""
     from sglang_evict.config import EvictionConfig
-    from sglang_evict.sglang_adapter import MemoryDriver
+    from sglang_evict.srt.cpu_driver import MemoryDriver
 
     config = EvictionConfig(
         kv_budget_tokens=48,
@@ -74,7 +74,7 @@ def rank_main(rank: int, world_size: int, init_file: str, results) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
-    from sglang_evict.sglang_adapter import tp_score_reducer
+    from sglang_evict.srt.tp import tp_score_reducer
 
     share = GLOBAL_KV_HEADS // world_size
     heads = slice(rank * share, (rank + 1) * share)

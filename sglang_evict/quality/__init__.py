@@ -14,6 +14,6 @@ evaluation harness, kvpress as a peer, and an accuracy gate.
 
 Import rule: ``task`` imports nothing of the project (the kvpress peer runs it under
 another ``transformers``); ``kvpress_peer`` imports only ``task``; everything that
-touches SGLang goes through ``sglang_evict.sglang_adapter`` (``forced``) and the
+touches SGLang goes through ``sglang_evict.srt`` (``forced``) and the
 reference loop.
 """

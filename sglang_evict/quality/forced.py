@@ -1,6 +1,6 @@
 """Teacher-forced decoding through the real memory path.
 
-``TeacherForcedDriver`` is SGLang's ``MemoryDriver`` (``sglang_evict.sglang_adapter``)
+``TeacherForcedDriver`` is SGLang's ``MemoryDriver`` (``sglang_evict.srt.cpu_driver``)
 with one change, made where SGLang's scheduler would sample: before each decode step,
 a request that still has forced tokens gets its last output token replaced by the
 next forced one. The decode step then writes that token's K/V, and every pass of the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from sglang_evict.sglang_adapter import MemoryDriver
+from sglang_evict.srt.cpu_driver import MemoryDriver
 
 
 class TeacherForcedDriver(MemoryDriver):

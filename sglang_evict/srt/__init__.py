@@ -1,0 +1,87 @@
+"""The SGLang side of the plugin: the only package that touches ``sglang.srt.*``.
+
+Written against SGLang ``SGLANG_VERSION_TARGET`` (0.5.17, the newest release pinning
+torch 2.11, the lent GPU's torch). Internals move between releases (0.5.23 replaced
+``cache_finished_req``/``cache_unfinished_req`` with a checkpoint API), so importing
+this package first checks the installed release and refuses any other, naming the one
+to install. Everything else in ``sglang_evict`` talks to these modules, one per
+integration surface:
+
+    module          surface                                   SGLang classes touched
+    pools           KV pool access, the allocator's free set  ReqToTokenPool, allocators,
+                    sharing buffers with the compactor        MHATokenToKVPool
+    manager         EvictionManager over a cache's pools      CacheInitParams
+    backend         EvictingRadixCache + registered factory   RadixCache, TreeNode
+    hooks           decode-step passes, decode positions      ScheduleBatch, ForwardBatch
+    server_args     policy from the environment; refusals     ServerArgs
+    tp              score reduction across TP ranks           the CPU cache group
+    cpu_driver      memory classes driven on CPU (tests,      Req, ScheduleBatch,
+                    demo, quality harness)                    alloc_for_decode, release
+
+A new surface (request policy, admission, query capture, ...) gets its own module here.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+SGLANG_VERSION_TARGET = "0.5.17"
+
+
+def installed_sglang_version() -> str | None:
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+def version_problem(installed: str | None) -> str | None:
+    """Why the plugin cannot run against SGLang ``installed`` (None: not installed), or
+    None if it can."""
+    if installed is None:
+        return (
+            f"sglang-evict needs SGLang {SGLANG_VERSION_TARGET}, but SGLang is not installed; "
+            f'install it with: pip install "sglang=={SGLANG_VERSION_TARGET}"'
+        )
+    if installed != SGLANG_VERSION_TARGET:
+        return (
+            f"sglang-evict was written against SGLang {SGLANG_VERSION_TARGET}, found "
+            f"{installed}; its internals differ between releases. Install "
+            f'"sglang=={SGLANG_VERSION_TARGET}" or an sglang-evict release for {installed}.'
+        )
+    return None
+
+
+def check_sglang_version() -> None:
+    """Raise ``RuntimeError`` unless the installed SGLang is the targeted release."""
+    problem = version_problem(installed_sglang_version())
+    if problem:
+        raise RuntimeError(problem)
+
+
+# Refuse to load against another release before any module here touches an internal.
+check_sglang_version()
+
+
+def install() -> None:
+    """Register the radix-cache backend and the hooks (idempotent)."""
+    from sglang.srt.mem_cache.registry import (
+        register_radix_cache_backend,
+        registered_radix_cache_backends,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_evict.srt.backend import radix_cache_factory
+    from sglang_evict.srt.hooks import (
+        HOOK_FORWARD_BATCH_INIT,
+        HOOK_PREPARE_FOR_DECODE,
+        _after_forward_batch_init_new,
+        _before_prepare_for_decode,
+    )
+    from sglang_evict.srt.server_args import BACKEND_NAME
+
+    if BACKEND_NAME in registered_radix_cache_backends():
+        return
+    register_radix_cache_backend(BACKEND_NAME, radix_cache_factory)
+    HookRegistry.register(HOOK_PREPARE_FOR_DECODE, _before_prepare_for_decode, HookType.BEFORE)
+    HookRegistry.register(HOOK_FORWARD_BATCH_INIT, _after_forward_batch_init_new, HookType.AFTER)

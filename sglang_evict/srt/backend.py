@@ -1,0 +1,198 @@
+"""``EvictingRadixCache`` (SGLang's radix cache, aware of requests whose KV was evicted
+and compacted) and the factory registered as ``--radix-cache-backend sglang-evict``."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+from torch import Tensor
+
+from sglang_evict.config import EvictionConfig
+from sglang_evict.srt.manager import make_manager
+from sglang_evict.srt.pools import free_slots
+from sglang_evict.srt.server_args import config_from_env, unsupported_server_args
+from sglang_evict.srt.tp import TP_REDUCED_SCORERS, tp_score_reducer
+
+logger = logging.getLogger(__name__)
+
+
+class _Active:
+    """The manager of this process's evicting cache (one scheduler per process)."""
+
+    manager = None
+    metrics = None
+
+
+class EvictingRadixCache(RadixCache):
+    """SGLang's radix cache, aware of requests whose KV was evicted and compacted.
+
+    Invariants (``check_invariants`` verifies them; tests call it after every operation):
+        * ``evictable_size_`` equals the tokens of unlocked nodes and ``protected_size_``
+          those of locked nodes (SGLang's own accounting, recomputed from the tree);
+        * a locked node's ancestors are locked (a locked node is never partially
+          evictable);
+        * no slot held by the tree is free in the allocator;
+        * no request with evicted tokens inserts KV past its intact prefix: the
+          tree maps token prefixes only to KV computed for exactly those tokens.
+    """
+
+    def __init__(self, params: CacheInitParams, config: EvictionConfig) -> None:
+        super().__init__(params)
+        self.evictor = make_manager(config, params)
+
+    def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
+        state = self.evictor.states.get(req.rid)
+        if state is None or self.disable:
+            return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
+        try:
+            self._cache_finished_evicted_req(req, is_insert, kv_len_to_handle)
+        finally:
+            self.evictor.forget(req.rid)
+
+    def _cache_finished_evicted_req(self, req, is_insert: bool, kv_len: int) -> None:
+        """Insert at most the intact prefix (up to the first entry whose KV no longer
+        matches its token), free everything else the request holds."""
+        if self.disable_finished_insert:
+            is_insert = False
+        intact = self.evictor.intact_prefix_len(req.rid, kv_len)
+        token_ids = (req.origin_input_ids + req.output_ids)[:intact]
+        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len]
+        radix_key = RadixKey(token_ids, req.extra_key, is_bigram=self.is_eagle).page_aligned(
+            self.page_size
+        )
+        key_len = len(radix_key)
+        values = kv_indices[:key_len].to(dtype=torch.int64, copy=True)
+        if is_insert:
+            priority = getattr(req, "priority", 0) or 0
+            result = self.insert(InsertParams(key=radix_key, value=values, priority=priority))
+            freed_end = result.prefix_len
+        else:
+            freed_end = key_len
+        # The frozen shared prefix is intact, so key_len >= cache_protected_len.
+        self.token_to_kv_pool_allocator.free_segments(
+            [
+                (kv_indices[req.cache_protected_len : freed_end], req.cache_protected_len),
+                (kv_indices[key_len:], key_len),
+            ]
+        )
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+
+    def inc_lock_ref(self, node: TreeNode):
+        """SGLang's lock, plus a lease-store pin of the pages of every node that becomes
+        locked (a locked node's pages are shared with a running request)."""
+        newly_locked = self._path_with_lock_ref(node, 0)
+        result = super().inc_lock_ref(node)
+        for locked in newly_locked:
+            self.evictor.pin_shared_pages(locked.value, pin=True)
+        return result
+
+    def dec_lock_ref(self, node: TreeNode, params=None):
+        unlocked = self._path_with_lock_ref(node, 1)
+        result = super().dec_lock_ref(node, params)
+        for released in unlocked:
+            self.evictor.pin_shared_pages(released.value, pin=False)
+        return result
+
+    def _path_with_lock_ref(self, node: TreeNode, lock_ref: int) -> list[TreeNode]:
+        if self.disable or self.evictor.leases is None:
+            return []
+        path = []
+        while node is not None and node is not self.root_node:
+            if node.lock_ref == lock_ref and node.value is not None:
+                path.append(node)
+            node = node.parent
+        return path
+
+    def cache_unfinished_req(self, req, chunked: bool = False):
+        if req.rid in self.evictor.states:
+            # An evicted request's row no longer matches its tokens: insert nothing more.
+            return
+        return super().cache_unfinished_req(req, chunked=chunked)
+
+    def check_invariants(self) -> None:
+        evictable, protected = 0, 0
+        tree_slots: list[Tensor] = []
+        stack: list[TreeNode] = [self.root_node]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is self.root_node:
+                continue
+            if node.lock_ref < 0:
+                raise AssertionError(f"node {node.id} has lock_ref {node.lock_ref}")
+            if node.lock_ref > 0:
+                protected += len(node.key)
+                parent = node.parent
+                if parent is not self.root_node and parent.lock_ref < node.lock_ref:
+                    raise AssertionError(f"node {node.id} is locked more than its parent")
+            else:
+                evictable += len(node.key)
+            if node.value is not None and len(node.value):
+                tree_slots.append(node.value.to("cpu", torch.int64))
+        if evictable != self.evictable_size_ or protected != self.protected_size_:
+            raise AssertionError(
+                f"tree accounting: evictable {self.evictable_size_} (tree says {evictable}), "
+                f"protected {self.protected_size_} (tree says {protected})"
+            )
+        if tree_slots:
+            slots = torch.cat(tree_slots)
+            if torch.unique(slots).numel() != slots.numel():
+                raise AssertionError("a slot is held by two tree nodes")
+            free = free_slots(self.token_to_kv_pool_allocator)
+            if torch.isin(slots, free).any():
+                raise AssertionError("a slot held by the tree is free in the allocator")
+
+
+def radix_cache_factory(ctx) -> EvictingRadixCache:
+    """The factory registered as ``--radix-cache-backend sglang-evict``."""
+    config = config_from_env(ctx.params.page_size)
+    problems = unsupported_server_args(ctx.server_args, config.scorer)
+    if config.make_scorer().needs_queries:
+        problems.append(
+            f"--kv-scorer {config.scorer} reads queries captured inside the attention "
+            f"forward, which the server path does not capture yet; use knorm, streaming "
+            f"or triattention"
+        )
+    for flag, reason in (
+        (ctx.is_hybrid_swa, "sliding-window (hybrid SWA) models"),
+        (ctx.is_hybrid_ssm, "hybrid SSM/linear-attention models"),
+        (ctx.is_dsa, "DeepSeek sparse-attention models"),
+        (ctx.enable_hierarchical_cache, "--enable-hierarchical-cache"),
+    ):
+        if flag:
+            problems.append(f"sglang-evict does not support {reason} yet")
+    if problems:
+        raise ValueError("; ".join(problems))
+    cache = EvictingRadixCache(ctx.params, config)
+    if ctx.tp_size > 1 and config.scorer in TP_REDUCED_SCORERS:
+        if ctx.params.tp_cache_group is None:
+            raise ValueError(
+                "tensor parallelism without a CPU cache group: cannot agree on survivors"
+            )
+        cache.evictor.score_reducer = tp_score_reducer(
+            ctx.params.tp_cache_group, cache.evictor.scorer.head_reduction
+        )
+    _Active.manager = cache.evictor
+    if getattr(ctx.server_args, "enable_metrics", False):
+        from sglang_evict.metrics import EvictionMetrics
+
+        _Active.metrics = EvictionMetrics.create(config.scorer)
+    logger.info(
+        "sglang-evict active: budget=%d cadence=%d sinks=%d protected=%d window=%d scorer=%s "
+        "compaction=%s page_size=%d attention_backend=%s (unchanged by the plugin)",
+        config.kv_budget_tokens,
+        config.cadence_tokens,
+        config.sink_tokens,
+        config.protected_tokens,
+        config.window_tokens,
+        config.scorer,
+        config.compaction,
+        config.page_size,
+        getattr(ctx.server_args, "attention_backend", None),
+    )
+    return cache

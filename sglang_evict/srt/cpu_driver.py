@@ -1,0 +1,250 @@
+"""SGLang's memory classes driven on CPU as its scheduler drives them (``MemoryDriver``):
+the demo's and the tests' engine, and the quality harness's."""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from torch import Tensor
+
+from sglang_evict.config import EvictionConfig
+from sglang_evict.evictor import EvictionManager, PassResult
+from sglang_evict.srt.backend import EvictingRadixCache
+from sglang_evict.srt.hooks import compact_decode_batch
+
+
+def publish_cpu_runtime() -> None:
+    """Publish process-wide server args, as a scheduler does at start (SGLang's release
+    path reads them). For CPU drivers and tests only; a server publishes its own."""
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    publish(ServerArgs(model_path="dummy", device="cpu"), role="test")
+
+
+class MemoryDriver:
+    """SGLang 0.5.17's memory classes on CPU tensors — ``ReqToTokenPool``, the token or
+    paged allocator, ``MHATokenToKVPool`` and the radix cache (``EvictingRadixCache``
+    when a policy is given, SGLang's ``RadixCache`` otherwise) — driven through the calls
+    its scheduler makes:
+
+        admit          match_prefix + inc_lock_ref, ReqToTokenPool.alloc, alloc_extend
+                       (token allocator: alloc), the row write
+        prefill_done   maybe_cache_unfinished_req (the prompt enters the tree)
+        prepare_decode a ScheduleBatch of the running requests, the plugin's
+                       prepare_for_decode work, alloc_for_decode, the counters
+                       prepare_for_decode advances, the ForwardBatch hook's positions
+        finish         release_kv_cache
+
+    The model (``sglang_evict.reference_model``) reads and writes K/V at the slots this
+    returns. Used by ``sglang-evict demo`` and the tests.
+    """
+
+    @classmethod
+    def for_model(cls, model, *, page_size: int, num_tokens: int, **kwargs):
+        """A driver whose KV pool fits ``model`` (a ``PagedLlama``: layers, KV heads,
+        head dim, dtype), with ``num_tokens`` rounded up to whole pages."""
+        return cls(
+            page_size=page_size,
+            num_tokens=-(-num_tokens // page_size) * page_size,
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=model.dtype,
+            **kwargs,
+        )
+
+    def __init__(
+        self,
+        *,
+        page_size: int,
+        num_tokens: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        config: EvictionConfig | None = None,
+        max_requests: int = 64,
+        max_context: int = 4096,
+    ) -> None:
+        from sglang.srt.mem_cache.allocator import (
+            PagedTokenToKVPoolAllocator,
+            TokenToKVPoolAllocator,
+        )
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        publish_cpu_runtime()
+        self.page_size = page_size
+        self.num_tokens = num_tokens
+        self.kv_pool = MHATokenToKVPool(
+            size=num_tokens,
+            page_size=page_size,
+            dtype=dtype,
+            head_num=num_kv_heads,
+            head_dim=head_dim,
+            layer_num=num_layers,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        if page_size == 1:
+            self.allocator = TokenToKVPoolAllocator(
+                num_tokens, dtype, "cpu", self.kv_pool, need_sort=False
+            )
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(
+                num_tokens, page_size, dtype, "cpu", self.kv_pool, need_sort=False
+            )
+        self.req_to_token_pool = ReqToTokenPool(
+            max_requests, max_context, "cpu", enable_memory_saver=False
+        )
+        self.cache_params = CacheInitParams(
+            disable=False,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=page_size,
+        )
+        self.cache = (
+            EvictingRadixCache(self.cache_params, config)
+            if config
+            else RadixCache(self.cache_params)
+        )
+        self.running: dict[str, object] = {}
+
+    @property
+    def evictor(self) -> EvictionManager | None:
+        return self.cache.evictor if isinstance(self.cache, EvictingRadixCache) else None
+
+    def match(self, tokens, extra_key: str | None = None):
+        from array import array
+
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        return self.cache.match_prefix(
+            MatchPrefixParams(key=RadixKey(array("q", tokens), extra_key))
+        )
+
+    def admit(self, rid: str, prompt: list[int], extra_key: str | None = None):
+        """Admit a request; returns ``(req, prefix_len, extend_slots)``: the caller writes
+        the K/V of ``prompt[prefix_len:]`` at ``extend_slots``, then calls ``prefill_done``."""
+        from array import array
+
+        from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=1 << 20))
+        req.extra_key = extra_key
+        # As SGLang's scheduler does (max_prefix_len = input_len - 1): at least one
+        # prompt token is computed, so a fully cached prompt still yields logits.
+        match = self.match(prompt[:-1], extra_key)
+        prefix = match.device_indices
+        req.prefix_indices, req.last_node = prefix, match.last_device_node
+        req.cache_protected_len = len(prefix)
+        self.cache.inc_lock_ref(req.last_node)
+        if self.req_to_token_pool.alloc([req]) is None:
+            raise RuntimeError("request pool exhausted")
+        n_prefix, n_total = len(prefix), len(prompt)
+        if self.page_size == 1:
+            slots = self.allocator.alloc(n_total - n_prefix)
+        else:
+            last_loc = int(prefix[-1]) if n_prefix else -1
+            slots = self.allocator.alloc_extend(
+                torch.tensor([n_prefix]),
+                torch.tensor([n_prefix]),
+                torch.tensor([n_total]),
+                torch.tensor([n_total]),
+                torch.tensor([last_loc]),
+                n_total - n_prefix,
+            )
+        if slots is None:
+            raise RuntimeError("KV pool exhausted at prefill")
+        row = torch.cat([prefix.to(torch.int64), slots.to(torch.int64)])
+        self.req_to_token_pool.write((req.req_pool_idx, slice(0, n_total)), row.to(torch.int32))
+        req.kv_committed_len = n_total
+        req.kv = ReqKvInfo(kv_allocated_len=n_total, swa_evicted_seqlen=0)
+        self.running[rid] = req
+        return req, n_prefix, slots.to(torch.int64)
+
+    def prefill_done(self, req) -> None:
+        from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
+
+        req._refresh_fill_ids()
+        req.set_extend_range(len(req.prefix_indices), req.kv_committed_len)
+        maybe_cache_unfinished_req(req, self.cache)
+
+    def prepare_decode(self, reqs: list) -> tuple[Tensor, Tensor, list[PassResult | None]]:
+        """Returns ``(out_slots, positions, passes)`` for one decode step of ``reqs``."""
+        from types import SimpleNamespace
+
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.mem_cache.allocation import alloc_for_decode
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        model_config = SimpleNamespace(vocab_size=1 << 20, is_encoder_decoder=False)
+        batch = ScheduleBatch.init_new(
+            reqs,
+            self.req_to_token_pool,
+            self.allocator,
+            self.cache,
+            model_config,
+            enable_overlap=False,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+        )
+        lens = [r.kv_committed_len for r in reqs]
+        batch.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        batch.seq_lens = torch.tensor(lens, dtype=torch.int64)
+        batch.seq_lens_cpu = torch.tensor(lens, dtype=torch.int64)
+        batch.orig_seq_lens = torch.tensor(lens, dtype=torch.int32)
+        passes: list[PassResult | None] = [None] * len(reqs)
+        manager = self.evictor
+        if manager is not None:
+            done = iter(compact_decode_batch(manager, batch))
+            for i, req in enumerate(reqs):
+                if req.kv_committed_len != lens[i]:
+                    passes[i] = next(done)
+        out_slots = alloc_for_decode(batch, token_per_req=1)
+        if out_slots is None:
+            raise RuntimeError("KV pool exhausted at decode")
+        for req in reqs:  # what prepare_for_decode advances after allocating
+            req.decode_batch_idx += 1
+            req.kv_committed_len += 1
+        seq_lens = batch.seq_lens + 1
+        positions = (
+            manager.decode_positions(batch.req_pool_indices, seq_lens)
+            if manager is not None
+            else seq_lens - 1
+        )
+        return out_slots.to(torch.int64), positions, passes
+
+    def finish(self, req) -> None:
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        release_kv_cache(req, self.cache)
+        del self.running[req.rid]
+
+    def retract(self, req) -> None:
+        """What ``ScheduleBatch.retract_decode`` does to a request (``release_req``): free
+        its KV without inserting it into the tree and reset it for a later re-prefill of
+        its prompt and output tokens."""
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        release_kv_cache(req, self.cache, is_insert=False)
+        req.reset_for_retract()
+        del self.running[req.rid]
+
+    def row(self, req) -> Tensor:
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len].long()
+
+    def positions(self, req) -> Tensor:
+        manager = self.evictor
+        if manager is None:
+            return torch.arange(req.kv_committed_len)
+        return manager.positions(req.rid, req.kv_committed_len)
+
+    def free_tokens(self) -> int:
+        return int(self.allocator.available_size())
+
+    def held_tokens(self) -> int:
+        """KV slots held by running requests (their private pages) and the radix tree."""
+        return self.num_tokens - self.free_tokens()

@@ -1,0 +1,70 @@
+"""Building the plugin's ``EvictionManager`` over the pools a radix cache is built with:
+the lease store, the compactor (in-process, or the sidecar with its fallback)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+from compactor_service.client import FallbackCompactor, GrpcCompactor
+from compactor_service.compactor import Compactor, InProcessCompactor
+from compactor_service.health import socket_target
+from compactor_service.leases import InProcessLeaseStore, LeaseStore
+from sglang_evict.config import EvictionConfig
+from sglang_evict.evictor import EvictionManager
+from sglang_evict.srt.pools import SGLangPoolAccess, share_kv_pool
+
+
+def make_lease_store(config: EvictionConfig) -> LeaseStore | None:
+    if config.lease_store == "none":
+        return None
+    if config.lease_store == "redis":
+        from compactor_service.redis_leases import RedisLeaseStore
+
+        return RedisLeaseStore(config.redis_url, namespace=config.lease_namespace)
+    return InProcessLeaseStore()
+
+
+def make_compactor(
+    config: EvictionConfig, pool: SGLangPoolAccess, leases: LeaseStore | None
+) -> Compactor:
+    """The configured compactor: in-process, or the sidecar with an in-process fallback
+    (which completes, with the same plans, any pass the sidecar cannot)."""
+    if config.compactor == "inprocess":
+        return InProcessCompactor(
+            pool.k_buffers, pool.v_buffers, leases=leases, page_size=pool.page_size
+        )
+    layout, shared = share_kv_pool(pool.kv_pool, config.shm_dir)
+    if shared is not None:
+        atexit.register(shared.close)
+    fallback = InProcessCompactor(
+        pool.k_buffers, pool.v_buffers, leases=leases, page_size=pool.page_size
+    )
+    sidecar = GrpcCompactor(
+        socket_target(config.compactor_socket),
+        layout,
+        timeout_s=config.compactor_timeout_ms / 1000,
+    )
+    return FallbackCompactor(sidecar, fallback, mode=config.compactor_fallback)
+
+
+def make_manager(
+    config: EvictionConfig, params: CacheInitParams, compactor: Compactor | None = None
+) -> EvictionManager:
+    """An ``EvictionManager`` over the pools a radix cache is built with."""
+    allocator = params.token_to_kv_pool_allocator
+    pool = SGLangPoolAccess(params.req_to_token_pool, allocator, allocator.get_kvcache())
+    leases = make_lease_store(config)
+    if compactor is None:
+        compactor = make_compactor(config, pool, leases)
+    return EvictionManager(
+        config=config,
+        pool=pool,
+        compactor=compactor,
+        num_request_rows=params.req_to_token_pool.req_to_token.shape[0],
+        device=allocator.device,
+        leases=leases,
+        lease_holder=f"scheduler-{os.getpid()}",
+    )

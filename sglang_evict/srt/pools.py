@@ -1,0 +1,114 @@
+"""KV pool access over SGLang's pools: the mechanism's ``KVPoolAccess`` over
+``ReqToTokenPool``, the token/paged allocator and ``MHATokenToKVPool``; the allocator's
+free set; sharing the pool's buffers with the compactor process."""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from torch import Tensor
+
+from compactor_service.shared_pool import (
+    PoolLayout,
+    create_shared_buffers,
+    export_cuda_buffers,
+)
+
+
+class SGLangPoolAccess:
+    """``KVPoolAccess`` over SGLang's request-to-token pool, allocator and MHA KV pool."""
+
+    def __init__(self, req_to_token_pool, allocator, kv_pool) -> None:
+        if not isinstance(kv_pool, MHATokenToKVPool):
+            raise ValueError(
+                f"sglang-evict supports MHA KV pools (MHATokenToKVPool); this model uses "
+                f"{type(kv_pool).__name__} (MLA, hybrid SWA/linear and quantised FP4/MXFP8 "
+                f"pools are not supported yet)"
+            )
+        if (
+            getattr(kv_pool, "use_hnd", False)
+            or getattr(kv_pool, "kv_cache_layout", "nhd") != "nhd"
+        ):
+            raise ValueError(
+                "sglang-evict supports the default NHD KV layout only; unset "
+                "SGLANG_USE_HND_KVCACHE and any kv_cache_layout override"
+            )
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.allocator = allocator
+        self.kv_pool = kv_pool
+        self.page_size = allocator.page_size
+
+    @property
+    def k_buffers(self) -> list[Tensor]:
+        return list(self.kv_pool.k_buffer)
+
+    @property
+    def v_buffers(self) -> list[Tensor]:
+        return list(self.kv_pool.v_buffer)
+
+    def read_row(self, req_pool_idx: int, length: int) -> Tensor:
+        return self.req_to_token[req_pool_idx, :length].to("cpu", torch.int64)
+
+    def write_row(self, req_pool_idx: int, row: Tensor) -> None:
+        self.req_to_token[req_pool_idx, : row.numel()] = row.to(
+            self.req_to_token.device, torch.int32
+        )
+
+    def gather_keys(self, slots: Tensor) -> Tensor:
+        pool = self.kv_pool
+        slots = slots.to(pool.device)
+        layers = []
+        for buffer in pool.k_buffer:
+            keys = buffer.index_select(0, slots)
+            if pool.store_dtype != pool.dtype:  # fp8 stored as uint8
+                keys = keys.view(pool.dtype)
+            layers.append(keys.float())
+        return torch.stack(layers)
+
+    def alloc_pages(self, num_pages: int) -> Tensor | None:
+        slots = self.allocator.alloc(num_pages * self.page_size)
+        if slots is None:
+            return None
+        return (slots[:: self.page_size] // self.page_size).to("cpu", torch.int64)
+
+    def free_pages(self, pages: Tensor) -> None:
+        if pages.numel():
+            self.allocator.free((pages * self.page_size).to(self.allocator.device))
+
+
+def share_kv_pool(kv_pool: MHATokenToKVPool, shm_dir: str) -> tuple[PoolLayout, object]:
+    """Make ``kv_pool``'s buffers mappable by the compactor process; return the layout
+    and the owner of the shared memory (``close()`` removes it).
+
+    CUDA: the buffers stay where they are and are exported by IPC handle. CPU: the
+    buffers move into one tmpfs file (contents copied) and the pool's per-layer lists
+    and pointer tables are re-pointed at it — done at start-up, before any forward.
+    """
+    if kv_pool.head_dim != kv_pool.v_head_dim:
+        raise ValueError("the compactor sidecar needs equal K and V head dims (MHA)")
+    if torch.device(kv_pool.device).type == "cuda":
+        return export_cuda_buffers(kv_pool.k_buffer, kv_pool.v_buffer, kv_pool.page_size), None
+    first = kv_pool.k_buffer[0]
+    shared = create_shared_buffers(
+        num_layers=len(kv_pool.k_buffer),
+        num_slots=first.shape[0],
+        num_kv_heads=first.shape[1],
+        head_dim=first.shape[2],
+        dtype=first.dtype,
+        page_size=kv_pool.page_size,
+        directory=shm_dir,
+        copy_from=(kv_pool.k_buffer, kv_pool.v_buffer),
+    )
+    kv_pool.k_buffer = shared.k
+    kv_pool.v_buffer = shared.v
+    kv_pool._init_data_ptrs_and_strides()
+    return shared.layout, shared
+
+
+def free_slots(allocator) -> Tensor:
+    """int64 CPU tensor of every slot the allocator considers free."""
+    pages = torch.cat([allocator.free_pages, allocator.release_pages]).to("cpu", torch.int64)
+    if allocator.page_size == 1:
+        return pages
+    offsets = torch.arange(allocator.page_size, dtype=torch.int64)
+    return (pages[:, None] * allocator.page_size + offsets).reshape(-1)
