@@ -1,189 +1,143 @@
-"""The eviction mechanism: owns per-request state and runs passes on a paged KV pool.
+"""The eviction mechanism: owns per-request state and runs batched passes on a paged
+KV pool.
 
-Policy (scorers, ``select_survivors``, the planner) is pure; this module is where state
-changes: it reads a request's row, asks the policy what to keep, has the compactor move
-slots, commits the new row and frees pages. It talks to the engine only through the
-``KVPoolAccess`` protocol, which the SGLang adapter implements over SGLang's pools.
+Policy (scorers, selection, planning: ``sglang_evict.batch_pass``) is pure; this module
+is where state changes: it reads the due requests' rows, has the policy choose and plan
+on the device, moves the slots, commits the new rows and frees pages. It talks to the
+engine only through ``KVPoolAccess``, which the SGLang adapter implements.
 
-Per-request state
------------------
-A request that never had a pass has no state: its row entry i holds logical position i.
-After a pass, ``compacted_positions`` holds the position of each of the first
-``compacted_len`` row entries; entries appended later (decode) continue from
-``next_position_at_compaction``:
+One pass per decode step, for every due request
+-----------------------------------------------
+``run_batch_pass`` costs the host O(1) per request and never reads device data:
 
-    row index:   0 .. compacted_len-1         | compacted_len .. kv_len-1
-    position:    compacted_positions[i]       | next_position_at_compaction + (i - compacted_len)
+    host                                        device (the pool's stream)
+    counts per request (``batch_pass.counts``)
+    one lease for the pass
+    one packed copy of the per-request ints ->  rows, positions, protection masks
+                                                scores [R, N] -> keep [R, N]
+    staging pages claimed (repack)          ->  plan [R, K]: new rows, moves, releases
+    fencing check                               one repack launch (padding moves skipped)
+    commit: lengths, state                  ->  rows, positions table, offsets written;
+                                                pages released to the allocator
+    lease released (a failure is logged and counted, never skips the commit)
 
-so the next token's logical position is ``kv_len + position_offset`` with
-``position_offset = next_position_at_compaction - compacted_len``: the per-request
-offset added to SGLang's decode positions (which it derives from ``seq_lens``).
+With the gRPC sidecar the plans go to the host first (``BatchPlan.to_host_plans``, a
+synchronisation): its API carries host plans. Once the ``Compact`` call was sent, a
+failure may come after some slots moved (the sidecar died mid-copy, then the
+in-process fallback could not check the lease because the lease store is down too), so
+the pass is then completed in-process from the same plan (moves are idempotent and
+write no survivor: the planner's invariant 3) and committed, without a lease:
+``forced_completions`` counts it. Only refusals that prove nothing moved (an invalid
+plan, a lease refused by a sidecar that stayed up, ``CompactionSkipped``) skip a pass.
 
-Invariants (tests call ``check_request`` after every operation):
-    * positions are distinct and the appended tail is contiguous;
-    * every position of the row is < ``kv_len + position_offset``;
-    * ``first_evicted_position`` is the smallest logical position not in the row.
+Per-request state and positions
+-------------------------------
+A request that never had a pass has no state: row entry i holds logical position i.
+After a pass, the first ``compacted_len`` row entries have their logical positions in
+``positions_by_row`` (a device table shaped like SGLang's ``req_to_token``: one row per
+request-pool row); entries appended later continue from there:
+
+    row index:   0 .. compacted_len-1          | compacted_len .. kv_len-1
+    position:    positions_by_row[row, i]      | i + position_offset
+
+so the next token's logical position is ``kv_len + position_offset``: the offset the
+decode hook adds to SGLang's positions (``offsets_by_row``). The table is int32, the
+same bytes as ``req_to_token`` (positions stay below 2^31, as SGLang's slot indices
+do): ``[request rows, context]`` x 4 bytes, 16 MiB for 256 rows of 16k tokens. Reading
+it on the host (``positions``, ``intact_prefix_len``) synchronises: tests, and the
+finish path, never the pass.
+
+Invariants (tests call ``check_request`` after every operation): positions are
+distinct and below the next position; the appended tail is contiguous; and the
+protected ranges the host counts rely on (``batch_pass.counts``) are held in full.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from compactor_service import tracing
-from compactor_service.compactor import Compactor, LeaseClaim
-from compactor_service.leases import LeaseStore
+from compactor_service.compactor import Compactor, LeaseClaim, LeaseRefused
+from compactor_service.leases import Lease, LeaseStore
+from compactor_service.plan import PlanError
 from compactor_service.redis_leases import LeaseStoreUnavailable
+from sglang_evict.batch_pass import (
+    BatchPlan,
+    PassCounts,
+    PlanInputs,
+    pass_counts,
+    plan_hole_fill,
+    plan_repack,
+    protected_ranges_mask,
+    score_batch,
+    select_keep,
+)
+from sglang_evict.batch_pass.inputs import batch_inputs
 from sglang_evict.config import EvictionConfig
-from sglang_evict.planner import fresh_pages_needed, plan_compaction
+from sglang_evict.pass_state import (
+    DueRequest,
+    KVPoolAccess,
+    PassResult,
+    QueryRing,
+    RequestState,
+)
 from sglang_evict.scorers import KVView
-from sglang_evict.selection import protected_mask, select_survivors
+from sglang_evict.scorers.base import BatchKVView
+from sglang_evict_kernels import repack_kv_independent
 
+logger = logging.getLogger(__name__)
 
-class KVPoolAccess(Protocol):
-    """What the mechanism needs from the engine's pools (implemented by the adapter)."""
-
-    page_size: int
-    k_buffers: list[Tensor]  # per-layer [slots, kv_heads, head_dim], for scoring kernels
-
-    def read_row(self, req_pool_idx: int, length: int) -> Tensor:
-        """int64 slots ``[length]`` of the request's row."""
-        ...
-
-    def write_row(self, req_pool_idx: int, row: Tensor) -> None:
-        """Overwrite the first ``len(row)`` entries of the request's row."""
-        ...
-
-    def gather_keys(self, slots: Tensor) -> Tensor:
-        """float ``[layers, len(slots), kv_heads, head_dim]`` cached keys."""
-        ...
-
-    def alloc_pages(self, num_pages: int) -> Tensor | None:
-        """int64 page ids of ``num_pages`` fresh pages, or None if the pool is short."""
-        ...
-
-    def free_pages(self, pages: Tensor) -> None:
-        """Return pages (slots when the page size is 1) to the allocator."""
-        ...
-
-
-@dataclass
-class RequestState:
-    """Mechanism-owned eviction state of one running request (see module docstring)."""
-
-    req_pool_idx: int
-    compacted_positions: Tensor
-    next_position_at_compaction: int
-    first_evicted_position: int
-    num_passes: int = 0
-    tokens_evicted: int = 0
-
-    @property
-    def compacted_len(self) -> int:
-        return int(self.compacted_positions.numel())
-
-    @property
-    def position_offset(self) -> int:
-        return self.next_position_at_compaction - self.compacted_len
-
-    def positions(self, kv_len: int) -> Tensor:
-        """int64 logical position of each of the first ``kv_len`` row entries."""
-        if kv_len < self.compacted_len:
-            raise ValueError(f"kv_len {kv_len} is below the compacted length {self.compacted_len}")
-        tail = torch.arange(
-            self.next_position_at_compaction,
-            self.next_position_at_compaction + kv_len - self.compacted_len,
-            dtype=torch.int64,
-        )
-        return torch.cat([self.compacted_positions, tail])
-
-    def intact_prefix_len(self, kv_len: int) -> int:
-        """Length of the longest row prefix whose entry i holds position i: the part of
-        the row that still equals an uncompacted cache of the same tokens."""
-        positions = self.positions(kv_len)
-        mismatch = torch.nonzero(positions != torch.arange(kv_len), as_tuple=True)[0]
-        return int(mismatch[0]) if mismatch.numel() else kv_len
-
-
-class QueryRing:
-    """The latest ``capacity`` queries of one request, every layer (post-RoPE), with
-    their logical positions: what query-reading scorers see."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.queries: Tensor | None = None  # [layers, capacity, q_heads, head_dim]
-        self.positions = torch.zeros(capacity, dtype=torch.int64)
-        self.count = 0
-
-    def append(self, queries: Tensor, positions: Tensor) -> None:
-        """Add ``queries`` ``[layers, tokens, q_heads, head_dim]`` at ``positions``."""
-        if self.queries is None:
-            layers, _, heads, dim = queries.shape
-            self.queries = torch.zeros(layers, self.capacity, heads, dim, dtype=queries.dtype)
-        for t in range(max(0, queries.shape[1] - self.capacity), queries.shape[1]):
-            at = self.count % self.capacity
-            self.queries[:, at] = queries[:, t].to(self.queries.dtype)
-            self.positions[at] = int(positions[t])
-            self.count += 1
-
-    def ordered(self) -> tuple[Tensor, Tensor]:
-        """(queries ``[layers, n, q_heads, head_dim]``, positions ``[n]``), oldest first."""
-        if self.queries is None:
-            raise ValueError("no queries captured")
-        n = min(self.count, self.capacity)
-        order = (torch.arange(n) + (self.count - n)) % self.capacity
-        return self.queries[:, order], self.positions[order]
-
-
-@dataclass(frozen=True)
-class PassResult:
-    """One request's pass, for metrics and traces."""
-
-    tokens_before: int
-    tokens_after: int
-    pages_freed: int
-    slot_copies: int
-    bytes_moved: int
-    duration_s: float
-    strategy: str
-    protected_over_budget: bool
-
-    @property
-    def tokens_evicted(self) -> int:
-        return self.tokens_before - self.tokens_after
+__all__ = [
+    "DueRequest",
+    "EvictionManager",
+    "KVPoolAccess",
+    "PassResult",
+    "QueryRing",
+    "RequestState",
+]
 
 
 @dataclass
 class EvictionManager:
-    """Runs passes and keeps every running request's ``RequestState``, keyed by request id.
+    """Runs batched passes and keeps every running request's ``RequestState``, keyed by
+    request id. ``pool`` is the engine's; the manager never holds KV tensors.
 
-    ``pool`` and ``compactor`` are the engine's; the manager never holds KV tensors.
+    ``compactor``: None moves slots in-process on the pool's device (the default);
+    otherwise a ``Compactor`` taking host plans (the gRPC sidecar with its fallback).
     """
 
     config: EvictionConfig
     pool: KVPoolAccess
-    compactor: Compactor
+    compactor: Compactor | None
     num_request_rows: int
+    row_capacity: int  # columns of the request-to-token pool (longest row)
     device: str | torch.device = "cpu"
-    # Combines this rank's per-token scores with the other tensor-parallel ranks' (each
+    # Combines this rank's [R, N] scores with the other tensor-parallel ranks' (each
     # holds different KV heads) so every rank keeps the same survivors; None: one rank.
     score_reducer: Callable[[Tensor], Tensor] | None = None
     # Score with the scorer's pool-reading kernel when it has one (no key gather);
     # None: when the pool is on a GPU (on CPU Triton runs only under its interpreter).
     use_pool_kernels: bool | None = None
-    # Pass leases (fencing tokens the compactor checks) and shared-page pins; None: off.
+    # Pass leases (fencing tokens) and shared-page pins; None: off.
     leases: LeaseStore | None = None
     lease_holder: str = "scheduler"
     # After the lease store failed, passes pause (fail at once, touching nothing) for
     # this long instead of reaching for an unreachable store at every decode step.
     lease_retry_interval_s: float = 1.0
+    # The stream the model's forward runs on (SGLang's forward_stream); a pass orders
+    # itself after the in-flight forward on it (``order_after_forward``).
+    forward_stream: object | None = None
     _leases_down_until_s: float = 0.0
+    _unreleased: Lease | None = None
     pin_failures: int = 0  # pin/unpin calls the lease store did not take (outage)
+    lease_release_failures: int = 0  # pass leases the store did not release (outage)
+    forced_completions: int = 0  # passes completed in-process after a failure mid-RPC
     states: dict[str, RequestState] = field(default_factory=dict)
     query_rings: dict[str, QueryRing] = field(default_factory=dict)
 
@@ -193,38 +147,85 @@ class EvictionManager:
                 f"config page_size {self.config.page_size} != engine page size "
                 f"{self.pool.page_size}"
             )
+        self.device = torch.device(self.device)
         self.scorer = self.config.make_scorer()
-        # Position offset of the request occupying each request-pool row, on the engine's
-        # device: decode positions are ``seq_lens - 1 + offsets[req_pool_indices]``.
+        # Decode positions are ``seq_lens - 1 + offsets_by_row[req_pool_indices]``.
         self.offsets_by_row = torch.zeros(
             self.num_request_rows, dtype=torch.int64, device=self.device
         )
+        self.positions_by_row = torch.zeros(
+            self.num_request_rows, self.row_capacity, dtype=torch.int32, device=self.device
+        )
+        # Candidate tokens scored NaN or +-inf (NaN ones were evicted first), on device.
+        self.nonfinite_scores_device = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.bytes_per_slot = sum(
+            b[0].numel() * b.element_size() for b in (*self.pool.k_buffers, *self.pool.v_buffers)
+        )
 
-    # --- queries -------------------------------------------------------------------
+    # --- queries (host reads of device data: tests and the finish path only) --------
 
     def position_offset(self, rid: str) -> int:
         state = self.states.get(rid)
         return 0 if state is None else state.position_offset
 
     def positions(self, rid: str, kv_len: int) -> Tensor:
+        """int64 CPU logical position of each of the first ``kv_len`` row entries."""
         state = self.states.get(rid)
-        return torch.arange(kv_len) if state is None else state.positions(kv_len)
+        if state is None:
+            return torch.arange(kv_len)
+        if kv_len < state.compacted_len:
+            raise ValueError(f"kv_len {kv_len} is below the compacted length {state.compacted_len}")
+        head = self.positions_by_row[state.req_pool_idx, : state.compacted_len]
+        tail = torch.arange(state.compacted_len, kv_len) + state.position_offset
+        return torch.cat([head.to("cpu", torch.int64), tail])
 
     def intact_prefix_len(self, rid: str, kv_len: int) -> int:
-        state = self.states.get(rid)
-        return kv_len if state is None else state.intact_prefix_len(kv_len)
+        """Length of the longest row prefix whose entry i holds position i: the part of
+        the row that still equals an uncompacted cache of the same tokens."""
+        positions = self.positions(rid, kv_len)
+        mismatch = torch.nonzero(positions != torch.arange(kv_len), as_tuple=True)[0]
+        return int(mismatch[0]) if mismatch.numel() else kv_len
 
-    def needs_pass(self, kv_len: int) -> bool:
-        return kv_len >= self.config.trigger_tokens
+    def first_evicted_position(self, rid: str, kv_len: int) -> int | None:
+        """The smallest logical position no longer held (None: nothing evicted)."""
+        state = self.states.get(rid)
+        if state is None:
+            return None
+        held = torch.zeros(kv_len + state.position_offset + 1, dtype=torch.bool)
+        held[self.positions(rid, kv_len)] = True
+        return int(torch.nonzero(~held)[0])
+
+    def counts(self, rid: str, kv_len: int, num_shared: int, prompt_len: int) -> PassCounts:
+        """What a pass would do to this request now (host ints only)."""
+        config = self.config
+        return pass_counts(
+            kv_len=kv_len,
+            position_offset=self.position_offset(rid),
+            num_shared=num_shared,
+            prompt_len=prompt_len,
+            page_size=config.page_size,
+            budget=config.kv_budget_tokens,
+            sink_tokens=config.sink_tokens,
+            protected_tokens=config.protected_tokens,
+            window_tokens=config.window_tokens,
+            evict_prompt=config.evict_prompt,
+        )
+
+    def is_due(self, rid: str, kv_len: int, num_shared: int, prompt_len: int) -> bool:
+        """A pass is due once it would evict at least ``cadence`` tokens (O(1))."""
+        cadence = self.config.cadence_tokens
+        if kv_len < self.config.trigger_tokens:  # survivors >= budget: never due below
+            return False
+        return self.counts(rid, kv_len, num_shared, prompt_len).tokens_evicted >= cadence
 
     # --- shared-page pins ------------------------------------------------------------
 
     def pin_shared_pages(self, slots: Tensor, pin: bool) -> None:
         """Pin (or unpin) the pages holding ``slots`` in the lease store, under this
         scheduler's holder name: called as radix-tree nodes become locked (or
-        unlocked). A compactor checking leases refuses any plan touching a page pinned
-        by another holder. A store outage is logged and counted, never raised: SGLang's
-        lock path must not fail (``pin_failures``)."""
+        unlocked), never on the pass path. A compactor checking leases refuses any plan
+        touching a page pinned by another holder. A store outage is logged and counted,
+        never raised: SGLang's lock path must not fail (``pin_failures``)."""
         if self.leases is None or slots.numel() == 0:
             return
         pages = torch.unique(slots.to("cpu", torch.int64) // self.config.page_size).tolist()
@@ -260,214 +261,321 @@ class EvictionManager:
         base = (seq_lens - 1).clamp(min=0).to(torch.int64)
         return base + self.offsets_by_row[req_pool_indices.to(self.offsets_by_row.device).long()]
 
-    def run_pass(
-        self,
-        rid: str,
-        req_pool_idx: int,
-        kv_len: int,
-        *,
-        num_shared: int,
-        prompt_len: int,
-    ) -> PassResult | None:
-        """Evict down to the budget and compact one request; None if nothing to evict.
+    def order_after_forward(self) -> None:
+        """Make the current stream (the scheduler's) wait, on the device, for the work
+        already queued on the forward stream: the in-flight forward still writes the
+        newest token's KV and reads every row the pass rewrites. The host does not wait.
+        No-op on CPU, where every operation completes before the next starts."""
+        if self.forward_stream is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_stream(self.forward_stream)
 
-        Args:
-            rid: request id (state key).
-            req_pool_idx: the request's row in the request-to-token pool.
-            kv_len: entries of the row in use (the request's KV length).
-            num_shared: leading row entries owned by the radix tree (never touched).
-            prompt_len: prompt tokens; protected unless ``config.evict_prompt``.
-        """
-        if not 0 <= req_pool_idx < self.offsets_by_row.numel():
-            raise ValueError(
-                f"req_pool_idx {req_pool_idx} outside the request pool [0, "
-                f"{self.offsets_by_row.numel()})"
-            )
-        tracer = tracing.tracer()
-        with tracer.start_as_current_span(tracing.SPAN_PASS) as span:
-            span.set_attribute(tracing.ATTR_REQUESTS, 1)
-            span.set_attribute(tracing.ATTR_TOKENS_BEFORE, kv_len)
-            span.set_attribute(tracing.ATTR_SCORER, self.config.scorer)
-            lease = None
-            if self.leases is not None:
-                if time.monotonic() < self._leases_down_until_s:
-                    span.set_attribute(tracing.ATTR_OUTCOME, "lease-store-down")
-                    raise LeaseStoreUnavailable(
-                        "the lease store was unreachable moments ago: compaction paused"
-                    )
-                resource = f"{self.lease_holder}:req:{rid}"
-                try:
-                    lease = self.leases.acquire(
-                        resource, self.lease_holder, self.config.lease_ttl_ms
-                    )
-                except LeaseStoreUnavailable:
-                    self._leases_down_until_s = time.monotonic() + self.lease_retry_interval_s
-                    span.set_attribute(tracing.ATTR_OUTCOME, "lease-store-down")
-                    raise
-                if lease is None:
-                    span.set_attribute(tracing.ATTR_OUTCOME, "lease-busy")
-                    raise RuntimeError(f"the pass lease of {resource!r} is held: pass skipped")
-                span.set_attribute(tracing.ATTR_FENCING_TOKEN, lease.token)
-            try:
-                result = self._run_pass(
-                    rid, req_pool_idx, kv_len, num_shared, prompt_len, lease, span
+    def run_batch_pass(self, due: Sequence[DueRequest]) -> list[PassResult]:
+        """Evict and compact every due request in one pass; one result per request that
+        had anything to evict. Raises (``ValueError``/``RuntimeError`` and subclasses)
+        only when nothing moved: the requests keep their full KV. Once slots may have
+        moved, the pass always commits (module docstring)."""
+        start = time.perf_counter()
+        work = [(d, self.counts(d.rid, d.kv_len, d.num_shared, d.prompt_len)) for d in due]
+        work = [(d, c) for d, c in work if c.tokens_evicted > 0]
+        for d, _ in work:
+            if not 0 <= d.req_pool_idx < self.num_request_rows:
+                raise ValueError(
+                    f"req_pool_idx {d.req_pool_idx} outside the request pool "
+                    f"[0, {self.num_request_rows})"
                 )
+            if d.kv_len > self.row_capacity:
+                raise ValueError(f"kv_len {d.kv_len} exceeds the row capacity {self.row_capacity}")
+        if not work:
+            return []
+        with tracing.tracer().start_as_current_span(tracing.SPAN_PASS) as span:
+            span.set_attribute(tracing.ATTR_REQUESTS, len(work))
+            span.set_attribute(tracing.ATTR_TOKENS_BEFORE, sum(c.kv_len for _, c in work))
+            span.set_attribute(tracing.ATTR_SCORER, self.config.scorer)
+            lease = self._acquire_lease(span)
+            try:
+                results = self._run(work, lease, start)
             except BaseException as error:
                 span.set_attribute(tracing.ATTR_OUTCOME, f"failed: {type(error).__name__}")
                 raise
             finally:
-                if lease is not None:
-                    self.leases.release(lease)
-            if result is None:
-                span.set_attribute(tracing.ATTR_OUTCOME, "nothing-evicted")
-                return None
+                self._release_lease(lease)
             span.set_attribute(tracing.ATTR_OUTCOME, "committed")
-            span.set_attribute(tracing.ATTR_TOKENS_AFTER, result.tokens_after)
-            span.set_attribute(tracing.ATTR_PAGES_FREED, result.pages_freed)
-            span.set_attribute(tracing.ATTR_BYTES_MOVED, result.bytes_moved)
-            span.set_attribute(tracing.ATTR_STRATEGY, result.strategy)
-            return result
+            span.set_attribute(tracing.ATTR_TOKENS_AFTER, sum(r.tokens_after for r in results))
+            span.set_attribute(tracing.ATTR_PAGES_FREED, sum(r.pages_freed for r in results))
+            span.set_attribute(tracing.ATTR_STRATEGY, results[0].strategy)
+        return results
 
-    def _run_pass(self, rid, req_pool_idx, kv_len, num_shared, prompt_len, lease, span):
-        start = time.perf_counter()
+    # --- the pass --------------------------------------------------------------------
+
+    def _acquire_lease(self, span) -> Lease | None:
+        if self.leases is None:
+            return None
+        if time.monotonic() < self._leases_down_until_s:
+            span.set_attribute(tracing.ATTR_OUTCOME, "lease-store-down")
+            raise LeaseStoreUnavailable(
+                "the lease store was unreachable moments ago: compaction paused"
+            )
+        resource = f"{self.lease_holder}:pass"
+        try:
+            if self._unreleased is not None:  # a release the store missed in an outage
+                self.leases.release(self._unreleased)
+                self._unreleased = None
+            lease = self.leases.acquire(resource, self.lease_holder, self.config.lease_ttl_ms)
+        except LeaseStoreUnavailable:
+            self._leases_down_until_s = time.monotonic() + self.lease_retry_interval_s
+            span.set_attribute(tracing.ATTR_OUTCOME, "lease-store-down")
+            raise
+        if lease is None:
+            span.set_attribute(tracing.ATTR_OUTCOME, "lease-busy")
+            raise RuntimeError(f"the pass lease {resource!r} is held: pass skipped")
+        span.set_attribute(tracing.ATTR_FENCING_TOKEN, lease.token)
+        return lease
+
+    def _release_lease(self, lease: Lease | None) -> None:
+        """Release the pass lease; a store that cannot take it is logged and counted
+        (``lease_release_failures``) and retried before the next pass's acquire: it
+        never undoes or skips a commit."""
+        if lease is None:
+            return
+        try:
+            self.leases.release(lease)
+        except Exception as error:  # an outage of any kind
+            self.lease_release_failures += 1
+            self._unreleased = lease
+            self._leases_down_until_s = time.monotonic() + self.lease_retry_interval_s
+            logger.error("sglang-evict: pass lease not released (%s); the pass committed", error)
+
+    def _run(self, work, lease: Lease | None, start: float) -> list[PassResult]:
         tracer = tracing.tracer()
-        config = self.config
-        page_size = config.page_size
-        row = self.pool.read_row(req_pool_idx, kv_len)
-        positions = self.positions(rid, kv_len)
-        next_position = kv_len + self.position_offset(rid)
-
-        # Shared entries are frozen at page granularity; prompt tokens unless allowed.
-        frozen_len = min(-(-num_shared // page_size) * page_size, kv_len)
-        immovable = torch.zeros(kv_len, dtype=torch.bool)
-        immovable[:frozen_len] = True
-        pinned = immovable.clone()
-        if not config.evict_prompt:
-            pinned |= positions < prompt_len
-
+        counts = [c for _, c in work]
+        strategy, staging_counts = self._strategy(counts)
+        use = self.use_pool_kernels
+        inputs = batch_inputs(
+            pool=self.pool,
+            positions_by_row=self.positions_by_row,
+            row_of_request=[d.req_pool_idx for d, _ in work],
+            compacted_lens=[getattr(self.states.get(d.rid), "compacted_len", 0) for d, _ in work],
+            counts=counts,
+            staging_counts=staging_counts,
+            use_pool_kernels=self.device.type == "cuda" if use is None else use,
+        )
+        columns, rows_raw, view = inputs.columns, inputs.rows_raw, inputs.view
         with tracer.start_as_current_span(tracing.SPAN_SCORE):
-            # The scorer sees tokens in logical order.
-            order = torch.argsort(positions)
-            scores = self._pool_kernel_scores(row[order], next_position)
-            if scores is None:
-                scores = self._view_scores(rid, row[order], positions[order], next_position)
+            scores = score_batch(self.scorer, view, self._request_view(work, view))
             if self.score_reducer is not None:
                 scores = self.score_reducer(scores)
-        protected = protected_mask(
-            positions[order],
-            sink_tokens=config.sink_tokens,
-            protected_tokens=config.protected_tokens,
-            window_tokens=config.window_tokens,
-            pinned=pinned[order],
+        protected = protected_ranges_mask(
+            view.positions, view.valid, columns["lead_end"], columns["window_start"]
         )
-        selection = select_survivors(scores, config.kv_budget_tokens, protected)
-        survivors = torch.sort(order[selection.indices]).values
-        if survivors.numel() == kv_len:
-            return None
-
-        strategy, fresh = config.compaction, torch.zeros(0, dtype=torch.int64)
-        request = dict(page_size=page_size, positions=positions, immovable=immovable)
-        need = fresh_pages_needed(row, survivors, strategy=strategy, **request)
-        if need:
-            allocated = self.pool.alloc_pages(need)
-            if allocated is None:  # pool too full for staging pages: this pass fills holes
-                strategy = "hole_fill"
-            else:
-                fresh = allocated
-        claim = None
-        if lease is not None:
-            claim = LeaseClaim(lease.resource, lease.token, self.lease_holder)
+        keep, nonfinite = select_keep(
+            scores,
+            view.positions,
+            view.valid,
+            protected,
+            columns["evicted"],
+            max(c.tokens_evicted for c in counts),
+        )
+        self.nonfinite_scores_device += nonfinite.sum()
+        staging, given, claimed = self._claim_staging(columns, staging_counts)
+        claim = (
+            None if lease is None else LeaseClaim(lease.resource, lease.token, self.lease_holder)
+        )
         try:
             with tracer.start_as_current_span(tracing.SPAN_PLAN):
-                plan = plan_compaction(
-                    row, survivors, strategy=strategy, fresh_pages=fresh, **request
+                plan_inputs = PlanInputs(
+                    page_size=self.config.page_size,
+                    rows=view.slots,
+                    keep=keep,
+                    positions=view.positions,
+                    kv_len=columns["kv_len"],
+                    survivors=columns["survivors"],
+                    frozen_len=columns["frozen_len"],
+                    max_survivors=max(c.survivors for c in counts),
+                    num_released=sum(c.pages_freed for c in counts) + sum(staging_counts),
+                )
+                plan = (
+                    plan_repack(plan_inputs, staging, given)
+                    if strategy == "repack"
+                    else plan_hole_fill(plan_inputs)
                 )
             with tracer.start_as_current_span(tracing.SPAN_RPC):
-                result = self.compactor.compact([plan], claim)
+                copies = self._move(plan, counts, claim)
         except BaseException:
-            # Nothing was committed: the row and its survivors are intact (invariant 3);
-            # hand the staging pages back and let the caller decide.
-            if fresh.numel():
-                self.pool.free_pages(fresh)
+            if claimed is not None:  # nothing moved: the staging pages go back
+                self.pool.release_pages(claimed)
             raise
-        # Commit: only now does the row change and do pages return.
         with tracer.start_as_current_span(tracing.SPAN_COMMIT):
-            self.pool.write_row(req_pool_idx, plan.new_row)
-            self.pool.free_pages(plan.freed_pages)
+            self._commit(work, columns, rows_raw, plan)
+        duration_s = time.perf_counter() - start
+        return [
+            PassResult(
+                rid=d.rid,
+                tokens_before=c.kv_len,
+                tokens_after=c.survivors,
+                pages_freed=c.pages_freed,
+                strategy=strategy,
+                protected_over_budget=c.protected_over_budget,
+                duration_s=duration_s,
+                slot_copies_device=copies[i],
+                bytes_per_slot=self.bytes_per_slot,
+            )
+            for i, (d, c) in enumerate(work)
+        ]
 
-        evicted_positions = positions[~torch.isin(positions, plan.new_positions)]
-        previous = self.states.get(rid)
-        first_evicted = int(evicted_positions.min())
-        if previous is not None:
-            first_evicted = min(first_evicted, previous.first_evicted_position)
-        state = RequestState(
-            req_pool_idx=req_pool_idx,
-            compacted_positions=plan.new_positions.clone(),
-            next_position_at_compaction=next_position,
-            first_evicted_position=first_evicted,
-            num_passes=(previous.num_passes if previous else 0) + 1,
-            tokens_evicted=(previous.tokens_evicted if previous else 0)
-            + kv_len
-            - plan.new_row.numel(),
-        )
-        self.states[rid] = state
-        self.offsets_by_row[req_pool_idx] = state.position_offset
-        return PassResult(
-            tokens_before=kv_len,
-            tokens_after=int(plan.new_row.numel()),
-            pages_freed=plan.num_pages_freed,
-            slot_copies=result.slots_moved,
-            bytes_moved=result.bytes_moved,
-            duration_s=time.perf_counter() - start,
-            strategy=strategy,
-            protected_over_budget=selection.protected_over_budget,
-        )
+    def _strategy(self, counts: list[PassCounts]) -> tuple[str, list[int]]:
+        """The batch's strategy and staging pages per request: ``repack`` claims an
+        upper bound of staging pages; when the allocator (host-known free count) is
+        short, the whole batch fills holes instead."""
+        strategy = self.config.compaction
+        staging = [c.staging_pages(strategy) for c in counts]
+        if sum(staging) and self.pool.available_pages() < sum(staging):
+            return "hole_fill", [0] * len(counts)
+        return strategy, staging
 
-    def _pool_kernel_scores(self, slots: Tensor, next_position: int) -> Tensor | None:
-        use = self.use_pool_kernels
-        if use is None:
-            use = torch.device(self.device).type == "cuda"
-        if not use or self.scorer.needs_queries:
-            return None
-        per_head = self.scorer.pool_head_scores(self.pool.k_buffers, slots, next_position)
-        return None if per_head is None else self.scorer.aggregate(per_head)
+    def _request_view(self, work, view: BatchKVView):
+        """One request's ``KVView`` in logical order (scorers without a batched form)."""
 
-    def _view_scores(
-        self, rid: str, slots: Tensor, positions: Tensor, next_position: int
-    ) -> Tensor:
-        keys = self.pool.gather_keys(slots)
-        queries = query_positions = None
-        if self.scorer.needs_queries:
-            ring = self.query_rings.get(rid)
-            if ring is None or ring.count == 0:
-                raise ValueError(
-                    f"scorer {self.scorer.name!r} needs the request's captured queries, but "
-                    f"none were recorded for {rid}; query capture must run in the attention"
+        def request_view(r: int, order: Tensor) -> KVView:
+            rid = work[r][0].rid
+            queries = query_positions = None
+            if self.scorer.needs_queries:
+                ring = self.query_rings.get(rid)
+                if ring is None or ring.count == 0:
+                    raise ValueError(
+                        f"scorer {self.scorer.name!r} needs the request's captured queries, "
+                        f"but none were recorded for {rid}; query capture must run in the "
+                        f"attention"
+                    )
+                queries, query_positions = ring.ordered()
+                queries = queries.to(self.device)
+            length = view.lengths[r]
+            return KVView(
+                keys=view.gather_keys(view.slots[r, :length][order]),
+                positions=view.positions[r, :length][order],
+                current_position=view.current_positions_host[r],
+                queries=queries,
+                query_positions=query_positions,
+            )
+
+        return request_view
+
+    def _claim_staging(self, columns, staging_counts: list[int]):
+        """``(staging [R, U], given [R, U], claimed)``: the repack staging pages, laid out
+        per request, and the flat tensor the allocator handed out (None: none)."""
+        num_requests, width = len(staging_counts), max(staging_counts)
+        empty = torch.zeros(num_requests, 0, dtype=torch.int64, device=self.device)
+        total = sum(staging_counts)
+        if total == 0:
+            return empty, empty.bool(), None
+        claimed = self.pool.alloc_pages(total)
+        if claimed is None:  # _strategy checked the free count; raced by nothing here
+            raise RuntimeError(f"the allocator could not give {total} staging pages")
+        column = torch.arange(width, device=self.device).unsqueeze(0)
+        given = column < columns["staging"].unsqueeze(1)
+        index = torch.where(given, columns["staging_base"].unsqueeze(1) + column, total)
+        padded = torch.cat([claimed.to(torch.int64), claimed.new_zeros(1).to(torch.int64)])
+        return padded[index], given, claimed
+
+    def _move(self, plan: BatchPlan, counts: list[PassCounts], claim: LeaseClaim | None) -> Tensor:
+        """Move the slots; returns the copies per request (``[R]``, on the device for
+        in-process moves). Raises only when nothing moved."""
+        src, dst = plan.src.reshape(-1), plan.dst.reshape(-1)
+        if self.compactor is None:
+            if claim is not None and not self._claim_is_current(claim):
+                raise LeaseRefused(
+                    f"fencing token {claim.token} is not the current lease of "
+                    f"{claim.resource!r}: nothing was moved"
                 )
-            queries, query_positions = ring.ordered()
-            queries = queries.to(keys.device)
-        view = KVView(
-            keys=keys,
-            positions=positions,
-            current_position=next_position,
-            queries=queries,
-            query_positions=query_positions,
+            repack_kv_independent(self.pool.k_buffers, self.pool.v_buffers, src, dst)
+            return plan.move_counts()
+        host_plans = plan.to_host_plans([c.survivors for c in counts])
+        try:
+            self.compactor.compact(host_plans, claim)
+        except Exception as error:
+            if _nothing_moved(error, self.compactor):
+                raise
+            # The sidecar may have moved part of the plan: complete it from the same
+            # plan, here, and commit (invariant 3 makes the re-run safe).
+            self.forced_completions += 1
+            logger.error(
+                "sglang-evict: compactor failed after the pass was sent (%s); completing "
+                "it in-process",
+                error,
+            )
+            repack_kv_independent(self.pool.k_buffers, self.pool.v_buffers, src, dst)
+        return torch.tensor([p.num_moves for p in host_plans], dtype=torch.int64)
+
+    def _claim_is_current(self, claim: LeaseClaim) -> bool:
+        """The fencing half of the compactor's claim check (``check_leases``), for moves
+        made here. Its other half, pages pinned by other holders, needs the plan's page
+        ids on the host; it guards the sidecar's API against plans from elsewhere,
+        while plans made here never touch a shared page (the planner's invariant 4,
+        property-tested), so the device path skips it rather than synchronise."""
+        try:
+            return self.leases.is_current(claim.resource, claim.token)
+        except LeaseStoreUnavailable:
+            self._leases_down_until_s = time.monotonic() + self.lease_retry_interval_s
+            raise
+
+    def _commit(self, work, columns, rows_raw: Tensor, plan: BatchPlan) -> None:
+        """Rows, positions, offsets and allocator frees (device, no host wait), then
+        each request's host state. Nothing here can refuse: it matches what moved."""
+        width = plan.new_row.shape[1]
+        live = torch.arange(width, device=self.device).unsqueeze(0) < columns[
+            "survivors"
+        ].unsqueeze(1)
+        rows = columns["row"]
+        self.pool.write_rows(rows, torch.where(live, plan.new_row, rows_raw[:, :width]))
+        self.positions_by_row.index_put_(
+            (rows.unsqueeze(1), torch.arange(width, device=self.device).unsqueeze(0)),
+            plan.new_positions.to(torch.int32),
         )
-        return self.scorer.score(view)
+        self.offsets_by_row.index_put_((rows,), columns["offset_after"])
+        self.pool.release_pages(plan.release)
+        for d, c in work:
+            previous = self.states.get(d.rid)
+            self.states[d.rid] = RequestState(
+                req_pool_idx=d.req_pool_idx,
+                compacted_len=c.survivors,
+                position_offset=c.next_position - c.survivors,
+                num_shared=d.num_shared,
+                prompt_len=d.prompt_len,
+                num_passes=(previous.num_passes if previous else 0) + 1,
+                tokens_evicted=(previous.tokens_evicted if previous else 0) + c.tokens_evicted,
+            )
+
+    # --- invariants ------------------------------------------------------------------
 
     def check_request(self, rid: str, kv_len: int) -> None:
         """Raise ``AssertionError`` if a request's state breaks the module's invariants."""
         state = self.states.get(rid)
         if state is None:
             return
-        positions = state.positions(kv_len)
+        positions = self.positions(rid, kv_len)
+        next_position = kv_len + state.position_offset
         if torch.unique(positions).numel() != kv_len:
             raise AssertionError(f"request {rid}: repeated logical positions")
-        if kv_len and int(positions.max()) >= kv_len + state.position_offset:
+        if kv_len and int(positions.max()) >= next_position:
             raise AssertionError(f"request {rid}: a position is beyond the next token's")
-        missing = set(range(kv_len + state.position_offset)) - set(positions.tolist())
-        if missing and min(missing) != state.first_evicted_position:
-            raise AssertionError(
-                f"request {rid}: first evicted position {state.first_evicted_position}, "
-                f"but {min(missing)} is missing"
-            )
+        held = set(positions.tolist())
+        c = self.counts(rid, kv_len, state.num_shared, state.prompt_len)
+        protected = set(range(min(c.lead_end, next_position))) | set(
+            range(c.window_start, next_position)
+        )
+        if not protected <= held:
+            missing = sorted(protected - held)[:8]
+            raise AssertionError(f"request {rid}: protected positions {missing} are not held")
+
+
+def _nothing_moved(error: Exception, compactor: Compactor) -> bool:
+    """Whether a failed ``compact`` call provably moved nothing: a refusal the server
+    (or the in-process compactor) makes before any byte moves, from a sidecar that
+    did not fail during the call. Anything else may have moved part of the plan."""
+    from compactor_service.client import CompactionSkipped
+
+    if isinstance(error, CompactionSkipped):
+        return True
+    sidecar_up = getattr(compactor, "sidecar_up", True)
+    if isinstance(error, LeaseRefused):
+        return sidecar_up  # down: the sidecar failed first, then the fallback refused
+    return isinstance(error, PlanError)

@@ -11,8 +11,12 @@ eviction metrics).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from torch import Tensor
 
 PASSES_TOTAL = "sglang_evict:passes_total"
 TOKENS_EVICTED_TOTAL = "sglang_evict:tokens_evicted_total"
@@ -25,11 +29,49 @@ PASS_FAILURES_TOTAL = "sglang_evict:pass_failures_total"
 # With --kv-compactor grpc: 1 while the sidecar serves passes, 0 while passes fall back.
 COMPACTOR_UP = "sglang_evict:compactor_up"
 COMPACTOR_FALLBACKS_TOTAL = "sglang_evict:compactor_fallbacks_total"
+# Pass leases the lease store did not take back (outage); the passes committed anyway.
+LEASE_RELEASE_FAILURES_TOTAL = "sglang_evict:lease_release_failures_total"
+# Passes completed in-process after the compactor failed once the pass was sent.
+PASS_FORCED_COMPLETIONS_TOTAL = "sglang_evict:pass_forced_completions_total"
 
-# Pass durations: a CPU pass over a few thousand tokens takes ~1-50 ms, a GPU pass less.
-_DURATION_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+# Host time of one batched pass (every due request of a decode step): benches/bench_pass.py
+# measures 0.3-30 ms on CPU tensors (the device work included there), less on a GPU host.
+_DURATION_BUCKETS_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 1.0)
 # KV held / budget, observed when a pass runs: 1 + cadence/budget is the steady state.
 _OCCUPANCY_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
+
+
+class DeviceTally:
+    """Sums of device counters, folded into host ints without the host ever waiting.
+
+    ``add`` queues a non-blocking copy of a device scalar into pinned host memory and
+    records an event after it; ``poll`` folds every copy whose event has completed
+    (``Event.query`` never blocks) and leaves the rest for a later poll. A pass's slot
+    copies are data the pass never reads on the host, so their count reaches
+    ``/metrics`` a decode step or two late, never at the cost of a synchronisation.
+    Host (CPU) values are folded at once.
+    """
+
+    def __init__(self) -> None:
+        self._pending: deque = deque()
+        self._ready = 0
+
+    def add(self, value: Tensor) -> None:
+        if value.device.type != "cuda":
+            self._ready += int(value)
+            return
+        host = torch.empty((), dtype=value.dtype, pin_memory=True)
+        host.copy_(value, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pending.append((done, host))
+
+    def poll(self) -> int:
+        """Counts that reached the host since the last poll."""
+        total, self._ready = self._ready, 0
+        while self._pending and self._pending[0][0].query():
+            total += int(self._pending.popleft()[1])
+        return total
 
 
 @dataclass
@@ -46,8 +88,14 @@ class EvictionMetrics:
     pass_failures: Any
     compactor_up: Any
     compactor_fallbacks: Any
+    lease_release_failures: Any
+    forced_completions: Any
     scorer: str
     _fallbacks_seen: int = 0
+    _release_failures_seen: int = 0
+    _forced_seen: int = 0
+    # strategy -> (slot copies on their way from the device, bytes per slot)
+    _copies: dict = field(default_factory=dict)
 
     @classmethod
     def create(cls, scorer: str, registry: Any = None) -> EvictionMetrics:
@@ -67,7 +115,7 @@ class EvictionMetrics:
             bytes_moved=counter(BYTES_MOVED_TOTAL, "KV bytes read + written by compaction"),
             pass_duration=Histogram(
                 PASS_DURATION_SECONDS,
-                "Duration of one request's pass",
+                "Host time of one batched pass (every due request of a decode step)",
                 labels,
                 buckets=_DURATION_BUCKETS_S,
                 registry=registry,
@@ -92,21 +140,61 @@ class EvictionMetrics:
                 ("mode",),
                 registry=registry,
             ),
+            lease_release_failures=Counter(
+                LEASE_RELEASE_FAILURES_TOTAL.removesuffix("_total"),
+                "Pass leases the lease store did not release (the passes committed)",
+                registry=registry,
+            ),
+            forced_completions=Counter(
+                PASS_FORCED_COMPLETIONS_TOTAL.removesuffix("_total"),
+                "Passes completed in-process after the compactor failed mid-call",
+                registry=registry,
+            ),
             scorer=scorer,
         )
 
-    def record(self, result: Any, budget_tokens: int) -> None:
-        """Record one ``PassResult``."""
-        labels = {"strategy": result.strategy, "scorer": self.scorer}
-        self.passes.labels(**labels).inc()
-        self.tokens_evicted.labels(**labels).inc(result.tokens_evicted)
-        self.pages_freed.labels(**labels).inc(result.pages_freed)
-        self.slot_copies.labels(**labels).inc(result.slot_copies)
-        self.bytes_moved.labels(**labels).inc(result.bytes_moved)
-        self.pass_duration.labels(**labels).observe(result.duration_s)
-        self.budget_occupancy.labels(scorer=self.scorer).observe(
-            result.tokens_before / budget_tokens
-        )
+    def record_batch(self, results: list, budget_tokens: int, duration_s: float) -> None:
+        """Record one batched pass: its ``PassResult``s (one per request) and host time.
+        Slot copies and bytes moved are device counts: queued here, folded in by
+        ``fold_device_counts`` once they reached the host."""
+        if not results:
+            return
+        strategy = results[0].strategy
+        labels = {"strategy": strategy, "scorer": self.scorer}
+        for result in results:
+            self.passes.labels(**labels).inc()
+            self.tokens_evicted.labels(**labels).inc(result.tokens_evicted)
+            self.pages_freed.labels(**labels).inc(result.pages_freed)
+            self.budget_occupancy.labels(scorer=self.scorer).observe(
+                result.tokens_before / budget_tokens
+            )
+        self.pass_duration.labels(**labels).observe(duration_s)
+        tally, _ = self._copies.setdefault(strategy, (DeviceTally(), results[0].bytes_per_slot))
+        tally.add(torch.stack([r.slot_copies_device for r in results]).sum())
+        self.fold_device_counts()
+
+    def fold_device_counts(self) -> None:
+        """Add the slot copies (and bytes: read + written) that reached the host."""
+        for strategy, (tally, bytes_per_slot) in self._copies.items():
+            copies = tally.poll()
+            if copies:
+                labels = {"strategy": strategy, "scorer": self.scorer}
+                self.slot_copies.labels(**labels).inc(copies)
+                self.bytes_moved.labels(**labels).inc(2 * copies * bytes_per_slot)
+
+    def record_manager(self, manager: Any) -> None:
+        """Lease releases that failed and passes completed in-process (host counters of
+        an ``EvictionManager``), and the compactor's state."""
+        failures = manager.lease_release_failures
+        if failures > self._release_failures_seen:
+            self.lease_release_failures.inc(failures - self._release_failures_seen)
+            self._release_failures_seen = failures
+        forced = manager.forced_completions
+        if forced > self._forced_seen:
+            self.forced_completions.inc(forced - self._forced_seen)
+            self._forced_seen = forced
+        if manager.compactor is not None:
+            self.record_compactor(manager.compactor)
 
     def record_compactor(self, compactor: Any) -> None:
         """Sidecar health and fallbacks of a ``FallbackCompactor`` (no-op otherwise)."""

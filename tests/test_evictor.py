@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.evictor import QueryRing
+from sglang_evict.evictor import DueRequest, QueryRing
 from tests.sglang_harness import Engine
 
 
@@ -27,18 +27,18 @@ def test_query_reading_scorer_without_captured_queries_fails_clearly_and_changes
         kv_budget_tokens=48, cadence_tokens=16, window_tokens=16, scorer="window", page_size=16
     )
     engine = Engine(page_size=16, config=config)
-    req = engine.add_request("a", list(range(40)))
+    req = engine.add_request("a", list(range(8)))
     manager = engine.cache.evictor  # no attention ran, so no query was ever recorded
+    for step in range(60):  # every due pass fails before anything moves; decoding goes on
+        engine.decode_step(req, step)
+        engine.check()
+    assert not engine.pass_log and req.kv_committed_len == 68
     free_before = engine.free_token_count()
+    due = DueRequest("a", req.req_pool_idx, 68, num_shared=req.cache_protected_len, prompt_len=8)
     with pytest.raises(ValueError, match="needs the request's captured queries"):
-        manager.run_pass(
-            "a",
-            req.req_pool_idx,
-            req.kv_committed_len,
-            num_shared=req.cache_protected_len,
-            prompt_len=40,
-        )
+        manager.run_batch_pass([due])
     assert engine.free_token_count() == free_before and "a" not in manager.states
+    engine.check()
 
 
 def test_forget_drops_state_queries_and_position_offset():

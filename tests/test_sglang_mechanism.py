@@ -121,7 +121,7 @@ def test_compacted_kv_is_never_offered_as_a_prefix(page_size, strategy):
     for step in range(120):
         engine.decode_step(req, 300 + step)
     assert engine.pass_log
-    first_evicted = engine.cache.evictor.states["a"].first_evicted_position
+    first_evicted = engine.cache.evictor.first_evicted_position("a", req.kv_committed_len)
     tokens = prompt + list(req.output_ids)
     engine.finish(req)
     engine.check()

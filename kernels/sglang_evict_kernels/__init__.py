@@ -5,6 +5,17 @@ tests and benchmarks compare against the reference. This package imports neither
 ``sglang_evict`` nor ``compactor_service``.
 """
 
-from sglang_evict_kernels.repack import repack_kv_reference, repack_kv_triton
+from sglang_evict_kernels._device import device_int64, to_device
+from sglang_evict_kernels.repack import (
+    repack_kv_independent,
+    repack_kv_reference,
+    repack_kv_triton,
+)
 
-__all__ = ["repack_kv_reference", "repack_kv_triton"]
+__all__ = [
+    "device_int64",
+    "repack_kv_independent",
+    "repack_kv_reference",
+    "repack_kv_triton",
+    "to_device",
+]

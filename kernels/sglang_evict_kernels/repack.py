@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from sglang_evict_kernels._device import cached_int64, pointer_table
+
 
 def _check_moves(buffers: Sequence[Tensor], src_slots: Tensor, dst_slots: Tensor) -> None:
     if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
@@ -88,6 +90,7 @@ def _kernel():
         WORD: tl.constexpr,
         BLOCK: tl.constexpr,
         MOVES: tl.constexpr,
+        SKIP_SELF: tl.constexpr,  # moves with src == dst are padding: copy nothing
     ):
         move_block = tl.program_id(0)
         buffer = tl.program_id(1)
@@ -107,9 +110,12 @@ def _kernel():
             if move < num_moves:
                 src = tl.load(src_ptr + move)
                 dst = tl.load(dst_ptr + move)
-                for start in range(0, row_words, BLOCK):
+                copy_words = row_words
+                if SKIP_SELF:
+                    copy_words = tl.where(src == dst, 0, row_words)
+                for start in range(0, copy_words, BLOCK):
                     offsets = start + tl.arange(0, BLOCK)
-                    mask = offsets < row_words
+                    mask = offsets < copy_words
                     words = tl.load(read_base + src * row_words + offsets, mask=mask)
                     tl.store(write_base + dst * row_words + offsets, words, mask=mask)
 
@@ -128,17 +134,20 @@ def _word_size(buffers: Sequence[Tensor]) -> int:
     return 1
 
 
-def _launch(read: Sequence[Tensor], write: Sequence[Tensor], src: Tensor, dst: Tensor) -> None:
-    """One launch: ``write[i][dst[j]] = read[i][src[j]]`` for every buffer i, move j."""
+def _launch(
+    read: Sequence[Tensor],
+    write: Sequence[Tensor],
+    src: Tensor,
+    dst: Tensor,
+    skip_self: bool = False,
+) -> None:
+    """One launch: ``write[i][dst[j]] = read[i][src[j]]`` for every buffer i, move j
+    (with ``skip_self``, moves whose ``src == dst`` copy nothing)."""
     device = read[0].device
     word = _word_size([*read, *write])
-    tables = [
-        torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
-        for bufs in (read, write)
-    ]
-    row_words = torch.tensor(
-        [_row_bytes(b) // word for b in read], dtype=torch.int64, device=device
-    )
+    tables = [pointer_table(bufs) for bufs in (read, write)]
+    sizes = tuple(_row_bytes(b) // word for b in read)
+    row_words = cached_int64(("row-words", sizes), sizes, device)
     grid = (-(-src.numel() // MOVES_PER_PROGRAM), len(read))
     _kernel()[grid](
         tables[0],
@@ -150,6 +159,7 @@ def _launch(read: Sequence[Tensor], write: Sequence[Tensor], src: Tensor, dst: T
         WORD=word,
         BLOCK=BLOCK_WORDS,
         MOVES=MOVES_PER_PROGRAM,
+        SKIP_SELF=skip_self,
     )
 
 
@@ -188,3 +198,47 @@ def repack_kv_triton(
         _launch(staging, buffers, order, dst)
         return
     _launch(buffers, buffers, src, dst)
+
+
+# --- independent moves from a device plan: no check that reads device data -----------
+
+
+def repack_kv_independent(
+    k_buffers: Sequence[Tensor],
+    v_buffers: Sequence[Tensor],
+    src_slots: Tensor,
+    dst_slots: Tensor,
+) -> None:
+    """``buf[dst] = buf[src]`` for moves already known to be independent (no slot both
+    read and written), where a move with ``src == dst`` is padding and copies nothing.
+
+    For plans made on the device (``sglang_evict.batch_pass``): the number of real
+    moves is data the host never reads, so a plan comes as a fixed-size tensor padded
+    with self-moves (slot 0 -> slot 0, SGLang's padding slot), and nothing here may
+    read device data on the host: no range check, no overlap check (``_check_moves``
+    and the chain test of ``repack_kv_triton`` each synchronise). The planner's
+    invariants, property-tested, are what make the moves independent and in range.
+
+    CUDA: one Triton launch (``SKIP_SELF``: a padding move loads its two indices and
+    stops). CPU: the self-moves are dropped by a boolean mask (no device to wait for)
+    and the rest go through the torch reference.
+    """
+    buffers = [*k_buffers, *v_buffers]
+    if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
+        raise ValueError(
+            f"src_slots {tuple(src_slots.shape)} and dst_slots {tuple(dst_slots.shape)} must "
+            f"be equal 1-D shapes"
+        )
+    if src_slots.dtype != torch.int64 or dst_slots.dtype != torch.int64:
+        raise ValueError("src_slots and dst_slots must be int64")
+    if src_slots.numel() == 0:
+        return
+    device = buffers[0].device
+    if device.type != "cuda":
+        real = src_slots != dst_slots
+        repack_kv_reference(k_buffers, v_buffers, src_slots[real], dst_slots[real])
+        return
+    for buf in buffers:
+        if not buf.is_contiguous() or buf.dim() < 2:
+            raise ValueError("repack_kv_independent needs contiguous [slots, heads, dim] buffers")
+    _launch(buffers, buffers, src_slots.to(device), dst_slots.to(device), skip_self=True)

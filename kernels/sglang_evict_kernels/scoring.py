@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from sglang_evict_kernels._device import cached_int64, pointer_table, to_device
+
 # Tokens per program; not tuned yet (benches/bench_scoring.py on the lent GPU has not run).
 BLOCK_TOKENS = 32
 
@@ -37,12 +39,19 @@ def pair_indices(head_dim: int, rope_style: str) -> tuple[Tensor, Tensor]:
     raise ValueError(f"unknown rope_style {rope_style!r}; known: ['half', 'interleaved']")
 
 
-def _check(k_buffers: Sequence[Tensor], slots: Tensor) -> None:
+def _check(k_buffers: Sequence[Tensor], slots: Tensor, check_slots: bool = True) -> None:
+    """Argument checks. ``check_slots=False`` skips the slot range check, the only one
+    that reads device data (two synchronising reductions): for slots made on the device
+    by the batched pass, whose host never reads them (``sglang_evict.batch_pass``)."""
     if not k_buffers:
         raise ValueError("need at least one layer's key buffer")
     if slots.dim() != 1 or slots.dtype != torch.int64:
         raise ValueError("slots must be a 1-D int64 tensor")
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= k_buffers[0].shape[0]):
+    if (
+        check_slots
+        and slots.numel()
+        and (int(slots.min()) < 0 or int(slots.max()) >= k_buffers[0].shape[0])
+    ):
         raise ValueError(f"slots outside [0, {k_buffers[0].shape[0]})")
     for buf in k_buffers:
         if not buf.is_contiguous() or buf.dim() != 3:
@@ -89,9 +98,7 @@ def key_pair_scores_reference(
 
 
 def _table(buffers: Sequence[Tensor]) -> Tensor:
-    return torch.tensor(
-        [b.data_ptr() for b in buffers], dtype=torch.int64, device=buffers[0].device
-    )
+    return pointer_table(buffers)
 
 
 def _element_type(tl, dtype: torch.dtype):
@@ -136,11 +143,14 @@ def _norms_kernel():
     return key_norms_kernel
 
 
-def key_norms_triton(k_buffers: Sequence[Tensor], slots: Tensor) -> Tensor:
-    """Triton ``key_norms_reference``: one launch over all layers."""
+def key_norms_triton(
+    k_buffers: Sequence[Tensor], slots: Tensor, *, check_slots: bool = True
+) -> Tensor:
+    """Triton ``key_norms_reference``: one launch over all layers (``check_slots``: see
+    ``_check``)."""
     import triton.language as tl
 
-    _check(k_buffers, slots)
+    _check(k_buffers, slots, check_slots)
     num_layers, (_, num_heads, head_dim) = len(k_buffers), k_buffers[0].shape
     device = k_buffers[0].device
     out = torch.empty(num_layers, num_heads, slots.numel(), dtype=torch.float32, device=device)
@@ -225,11 +235,14 @@ def key_pair_scores_triton(
     weight_imag: Tensor,
     abs_weight: Tensor,
     rope_style: str,
+    *,
+    check_slots: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """Triton ``key_pair_scores_reference``: one launch over all layers."""
+    """Triton ``key_pair_scores_reference``: one launch over all layers (``check_slots``:
+    see ``_check``)."""
     import triton.language as tl
 
-    _check(k_buffers, slots)
+    _check(k_buffers, slots, check_slots)
     num_layers, (_, num_kv_heads, head_dim) = len(k_buffers), k_buffers[0].shape
     _, num_q_heads, num_weights, pairs = weight_real.shape
     if pairs != head_dim // 2 or num_q_heads % num_kv_heads:
@@ -246,16 +259,19 @@ def key_pair_scores_triton(
     )
     if slots.numel() == 0:
         return dots, norm_term
-    real_idx, imag_idx = (i.to(device) for i in pair_indices(head_dim, rope_style))
+    real_idx, imag_idx = (
+        cached_int64(("pairs", head_dim, rope_style, part), i.tolist(), device)
+        for part, i in enumerate(pair_indices(head_dim, rope_style))
+    )
     grid = (-(-slots.numel() // BLOCK_TOKENS), num_layers)
     _pair_kernel()[grid](
         _table(k_buffers),
         slots.to(device),
         real_idx,
         imag_idx,
-        weight_real.float().contiguous().to(device),
-        weight_imag.float().contiguous().to(device),
-        abs_weight.float().contiguous().to(device),
+        to_device(weight_real.float().contiguous(), device),
+        to_device(weight_imag.float().contiguous(), device),
+        to_device(abs_weight.float().contiguous(), device),
         dots,
         norm_term,
         slots.numel(),
@@ -359,7 +375,7 @@ def query_key_logits_triton(k_buffers: Sequence[Tensor], slots: Tensor, queries:
     _logits_kernel()[grid](
         _table(k_buffers),
         slots.to(device),
-        queries.float().contiguous().to(device),
+        to_device(queries.float().contiguous(), device),
         out,
         slots.numel(),
         num_q_heads,

@@ -25,6 +25,7 @@ device, so identical inputs give identical scores; selection breaks ties by inde
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -102,6 +103,70 @@ class KVView:
         return self.keys.shape[1]
 
 
+@dataclass(frozen=True)
+class BatchKVView:
+    """What a scorer may read about the due requests of one batched pass, all at once.
+
+    Requests are padded to the longest: request ``r``'s tokens are columns
+    ``[0, lengths[r])`` of row ``r``, in its row order (``positions`` gives each token's
+    logical position; after a ``hole_fill`` pass row order is not logical order).
+    Padding columns read slot 0 (SGLang's padding slot); whatever they score must not
+    change the real tokens' scores. Everything is on the pool's device and nothing here
+    may be read back on the host (the pass never synchronises); ``lengths`` and
+    ``current_positions_host`` are the host's own copies.
+
+    Attributes:
+        k_buffers: the pool's per-layer key buffers ``[slots, kv_heads, head_dim]``.
+        slots: int64 ``[R, N]``, the slot of each token.
+        positions: int64 ``[R, N]``, each token's logical (RoPE) position.
+        valid: bool ``[R, N]``, ``column < lengths[r]``.
+        current_positions: int64 ``[R]``, each request's next position.
+        lengths, current_positions_host: the same as host ints.
+        gather_keys: ``slots [T] -> float [layers, T, kv_heads, head_dim]``.
+        use_pool_kernels: score with a pool-reading kernel where the scorer has one.
+    """
+
+    k_buffers: list[Tensor]
+    slots: Tensor
+    positions: Tensor
+    valid: Tensor
+    current_positions: Tensor
+    lengths: tuple[int, ...]
+    current_positions_host: tuple[int, ...]
+    gather_keys: Callable[[Tensor], Tensor]
+    use_pool_kernels: bool = False
+
+
+def aggregate_segments(
+    per_head: Tensor, valid: Tensor, normalization: str, reduction: str
+) -> Tensor:
+    """``aggregate_head_scores`` for a padded batch: ``[layers, heads, R, N]`` ->
+    float32 ``[R, N]``, each (layer, head) z-normalised per request over that request's
+    own tokens (``valid``); padding neither counts nor matters."""
+    if per_head.dim() != 4 or per_head.shape[2:] != valid.shape:
+        raise ValueError(
+            f"per-head scores must be [layers, heads, {list(valid.shape)}], got "
+            f"{tuple(per_head.shape)}"
+        )
+    scores = per_head.to(torch.float32)
+    if normalization == "zscore":
+        mask = valid.to(torch.float32)
+        count = mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+        mean = (scores * mask).sum(dim=-1, keepdim=True) / count
+        std = (((scores - mean) * mask).square().sum(dim=-1, keepdim=True) / count).sqrt()
+        scores = (scores - mean) / (std + _ZSCORE_EPS)
+    elif normalization != "none":
+        raise ValueError(
+            f"unknown head_normalization {normalization!r}; known: {HEAD_NORMALIZATIONS}"
+        )
+    flat = scores.reshape(-1, *valid.shape)
+    if reduction == "mean":
+        return flat.mean(dim=0)
+    if reduction == "max":
+        return flat.max(dim=0).values
+    raise ValueError(f"unknown head_reduction {reduction!r}; known: {HEAD_REDUCTIONS}")
+
+
 def aggregate_head_scores(per_head: Tensor, normalization: str, reduction: str) -> Tensor:
     """Combine ``[layers, heads, tokens]`` scores into one float32 ``[tokens]`` score."""
     if per_head.dim() != 3:
@@ -153,12 +218,35 @@ class Scorer:
         raise NotImplementedError
 
     def pool_head_scores(
-        self, k_buffers: list[Tensor], slots: Tensor, current_position: int
+        self,
+        k_buffers: list[Tensor],
+        slots: Tensor,
+        current_position: int,
+        *,
+        check_slots: bool = True,
     ) -> Tensor | None:
         """``head_scores`` computed by a kernel straight from the KV pool (per-layer
         ``[slots, kv_heads, head_dim]`` buffers, ``slots`` in the view's token order),
-        without gathering keys; None when this scorer has no such kernel."""
+        without gathering keys; None when this scorer has no such kernel.
+        ``check_slots=False``: skip the kernel's slot range check, which reads device
+        data (slots the batched pass made on the device)."""
         return None
+
+    def batch_head_scores(self, view: BatchKVView) -> Tensor | None:
+        """``[layers, heads, R, N]`` scores of every request of a batched pass at once,
+        or None when this scorer has no batched form: the mechanism then scores each
+        request's ``KVView`` in turn (same scores, one request at a time)."""
+        return None
+
+    def batch_scores(self, view: BatchKVView) -> Tensor | None:
+        """float32 ``[R, N]`` of a batched pass (higher = keep), or None (see
+        ``batch_head_scores``). Scorers whose signal is per token override this."""
+        per_head = self.batch_head_scores(view)
+        if per_head is None:
+            return None
+        return aggregate_segments(
+            per_head, view.valid, self.head_normalization, self.head_reduction
+        )
 
     def aggregate(self, per_head: Tensor) -> Tensor:
         """Per-head scores -> per-token scores, with this scorer's settings."""

@@ -10,17 +10,29 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from sglang_evict.scorers.base import KVView, Scorer
+from sglang_evict.scorers.base import BatchKVView, KVView, Scorer
 
 
 @dataclass(frozen=True, kw_only=True)
 class KNormScorer(Scorer):
     name = "knorm"
 
-    def pool_head_scores(self, k_buffers, slots: Tensor, current_position: int) -> Tensor:
+    def pool_head_scores(
+        self, k_buffers, slots: Tensor, current_position: int, *, check_slots: bool = True
+    ) -> Tensor:
         from sglang_evict_kernels.scoring import key_norms_triton
 
-        return -key_norms_triton(k_buffers, slots)
+        return -key_norms_triton(k_buffers, slots, check_slots=check_slots)
+
+    def batch_head_scores(self, view: BatchKVView) -> Tensor:
+        # Norms do not depend on the request: one launch (or one gather) for the batch.
+        num_requests, width = view.slots.shape
+        flat = view.slots.reshape(-1)
+        if view.use_pool_kernels:
+            norms = -self.pool_head_scores(view.k_buffers, flat, 0, check_slots=False)
+        else:
+            norms = view.gather_keys(flat).float().norm(dim=-1).transpose(1, 2)
+        return (-norms).reshape(*norms.shape[:2], num_requests, width)
 
     def head_scores(self, view: KVView) -> Tensor:
         # [layers, tokens, kv_heads] -> [layers, kv_heads, tokens]; lower norm = keep.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from sglang_evict.scorers.base import KVView, Scorer
+from sglang_evict.scorers.base import BatchKVView, KVView, Scorer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,4 +20,7 @@ class StreamingScorer(Scorer):
 
     def score(self, view: KVView) -> Tensor:
         # Positions are exact in float32 up to 2**24 tokens; no normalisation needed.
+        return view.positions.float()
+
+    def batch_scores(self, view: BatchKVView) -> Tensor:
         return view.positions.float()

@@ -115,13 +115,17 @@ class TriAttentionScorer(Scorer):
     def offsets(self) -> Tensor:
         return 2 ** torch.arange(self.max_offset_log2 + 1, dtype=torch.int64)
 
-    def pool_head_scores(self, k_buffers, slots: Tensor, current_position: int) -> Tensor:
+    def pool_head_scores(
+        self, k_buffers, slots: Tensor, current_position: int, *, check_slots: bool = True
+    ) -> Tensor:
         from sglang_evict_kernels.scoring import key_pair_scores_triton
 
         stats = self.stats
         assert stats is not None  # set in __post_init__
         weights = triattention_key_weights(stats, current_position, self.offsets)
-        dots, norm_term = key_pair_scores_triton(k_buffers, slots, *weights, stats.rope_style)
+        dots, norm_term = key_pair_scores_triton(
+            k_buffers, slots, *weights, stats.rope_style, check_slots=check_slots
+        )
         return triattention_scores_from_parts(dots, norm_term, self.offset_reduction)
 
     def head_scores(self, view: KVView) -> Tensor:

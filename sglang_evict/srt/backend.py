@@ -12,7 +12,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from torch import Tensor
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.srt.manager import make_manager
+from sglang_evict.srt.manager import forward_stream_of, make_manager
 from sglang_evict.srt.pools import free_slots
 from sglang_evict.srt.server_args import config_from_env, unsupported_server_args
 from sglang_evict.srt.tp import TP_REDUCED_SCORERS, tp_score_reducer
@@ -169,6 +169,8 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
     if problems:
         raise ValueError("; ".join(problems))
     cache = EvictingRadixCache(ctx.params, config)
+    # Passes wait, on the device, for the in-flight forward on this stream.
+    cache.evictor.forward_stream = forward_stream_of(ctx.tp_worker)
     if ctx.tp_size > 1 and config.scorer in TP_REDUCED_SCORERS:
         if ctx.params.tp_cache_group is None:
             raise ValueError(

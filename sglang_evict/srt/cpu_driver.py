@@ -68,6 +68,7 @@ class MemoryDriver:
         config: EvictionConfig | None = None,
         max_requests: int = 64,
         max_context: int = 4096,
+        device: str = "cpu",
     ) -> None:
         from sglang.srt.mem_cache.allocator import (
             PagedTokenToKVPoolAllocator,
@@ -76,6 +77,7 @@ class MemoryDriver:
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         publish_cpu_runtime()
+        self.device = device
         self.page_size = page_size
         self.num_tokens = num_tokens
         self.kv_pool = MHATokenToKVPool(
@@ -85,19 +87,19 @@ class MemoryDriver:
             head_num=num_kv_heads,
             head_dim=head_dim,
             layer_num=num_layers,
-            device="cpu",
+            device=device,
             enable_memory_saver=False,
         )
         if page_size == 1:
             self.allocator = TokenToKVPoolAllocator(
-                num_tokens, dtype, "cpu", self.kv_pool, need_sort=False
+                num_tokens, dtype, device, self.kv_pool, need_sort=False
             )
         else:
             self.allocator = PagedTokenToKVPoolAllocator(
-                num_tokens, page_size, dtype, "cpu", self.kv_pool, need_sort=False
+                num_tokens, page_size, dtype, device, self.kv_pool, need_sort=False
             )
         self.req_to_token_pool = ReqToTokenPool(
-            max_requests, max_context, "cpu", enable_memory_saver=False
+            max_requests, max_context, device, enable_memory_saver=False
         )
         self.cache_params = CacheInitParams(
             disable=False,
@@ -149,17 +151,18 @@ class MemoryDriver:
             slots = self.allocator.alloc(n_total - n_prefix)
         else:
             last_loc = int(prefix[-1]) if n_prefix else -1
+            on_device = lambda value: torch.tensor([value], device=self.device)  # noqa: E731
             slots = self.allocator.alloc_extend(
+                on_device(n_prefix),
                 torch.tensor([n_prefix]),
-                torch.tensor([n_prefix]),
+                on_device(n_total),
                 torch.tensor([n_total]),
-                torch.tensor([n_total]),
-                torch.tensor([last_loc]),
+                on_device(last_loc),
                 n_total - n_prefix,
             )
         if slots is None:
             raise RuntimeError("KV pool exhausted at prefill")
-        row = torch.cat([prefix.to(torch.int64), slots.to(torch.int64)])
+        row = torch.cat([prefix.to(self.device, torch.int64), slots.to(torch.int64)])
         self.req_to_token_pool.write((req.req_pool_idx, slice(0, n_total)), row.to(torch.int32))
         req.kv_committed_len = n_total
         req.kv = ReqKvInfo(kv_allocated_len=n_total, swa_evicted_seqlen=0)
@@ -192,17 +195,16 @@ class MemoryDriver:
             spec_algorithm=SpeculativeAlgorithm.NONE,
         )
         lens = [r.kv_committed_len for r in reqs]
-        batch.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        batch.seq_lens = torch.tensor(lens, dtype=torch.int64)
+        device = self.device
+        batch.req_pool_indices = torch.tensor(
+            [r.req_pool_idx for r in reqs], dtype=torch.int64, device=device
+        )
+        batch.seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
         batch.seq_lens_cpu = torch.tensor(lens, dtype=torch.int64)
-        batch.orig_seq_lens = torch.tensor(lens, dtype=torch.int32)
-        passes: list[PassResult | None] = [None] * len(reqs)
+        batch.orig_seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
         manager = self.evictor
-        if manager is not None:
-            done = iter(compact_decode_batch(manager, batch))
-            for i, req in enumerate(reqs):
-                if req.kv_committed_len != lens[i]:
-                    passes[i] = next(done)
+        done = {} if manager is None else {r.rid: r for r in compact_decode_batch(manager, batch)}
+        passes: list[PassResult | None] = [done.get(req.rid) for req in reqs]
         out_slots = alloc_for_decode(batch, token_per_req=1)
         if out_slots is None:
             raise RuntimeError("KV pool exhausted at decode")

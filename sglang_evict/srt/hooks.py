@@ -1,5 +1,39 @@
-"""The ``HookRegistry`` callbacks: due passes before SGLang allocates a decode step's
-slots, and each request's position offset added to the decode positions."""
+"""The ``HookRegistry`` callbacks: one batched pass before SGLang allocates a decode
+step's slots, and each request's position offset added to the decode positions.
+
+Order of a decode step (``ScheduleBatch.prepare_for_decode``, on the scheduler's
+current stream: ``schedule_stream`` under the overlap loop) and why the pass can never
+read KV the overlapped forward is still writing, nor overwrite KV it is still reading::
+
+    host (scheduler)                             device
+    forward N launched on forward_stream  ---->  forward N: writes the KV of the token
+                                                 at row index kv_len-1 of each request,
+                                                 reads every row
+    prepare_for_decode of step N+1
+      BEFORE hook: compact_decode_batch
+        due requests, counts (host ints)
+        schedule_stream.wait_stream(        ---> schedule_stream: waits for forward N
+            forward_stream)                      (the host does not wait)
+        run_batch_pass                      ---> scores, plans, moves, commits rows,
+                                                 positions, frees pages: after forward N
+        shrink kv_committed_len, seq_lens*
+      alloc_for_decode (seq_lens = survivors) -> new slot at row index `survivors`, from
+                                                 a free list holding the freed pages
+      seq_lens + 1
+    forward N+1 launched: forward_stream.wait_stream(schedule_stream)
+      ForwardBatch.init_new AFTER hook: positions = seq_lens - 1 + offset[row]
+
+Every byte the pass reads or writes is ordered after forward N by the device-side wait,
+and every later forward after the pass by SGLang's own ``wait_stream`` at launch: so
+the newest token's KV is written before it is scored or moved, and no slot forward N
+reads (evicted slots are move destinations) is overwritten under it. Freed pages reach
+the allocator's free list on the same stream, so any later allocation's writes come
+after the moves that emptied them. A request is compacted only from its second decode
+step on: under the overlap scheduler its prompt enters the radix tree
+(``cache_unfinished_req``) after the first decode batch is launched. Batch length
+tensors are replaced, never edited in place: the in-flight forward still reads the old
+ones. ``tests/test_batch_pass_hooks.py`` pins this order on CPU.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +41,9 @@ import logging
 
 import torch
 
-from sglang_evict.evictor import EvictionManager, PassResult
+from sglang_evict.evictor import DueRequest, EvictionManager, PassResult
 from sglang_evict.srt.backend import EvictingRadixCache, _Active
+from sglang_evict_kernels import device_int64
 
 logger = logging.getLogger(__name__)
 
@@ -16,88 +51,85 @@ HOOK_PREPARE_FOR_DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prep
 HOOK_FORWARD_BATCH_INIT = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 
 
-def run_pass_for_req(manager: EvictionManager, req) -> PassResult | None:
-    """Run a pass for one running request if its KV reached the trigger, and shrink the
-    request's KV bookkeeping to the survivors (what the decode hook does per request).
-
-    ``req.kv_committed_len`` is the request's KV length (all of it written: the caller
-    has waited for any in-flight forward). Afterwards ``kv_committed_len`` and
-    ``kv.kv_allocated_len`` equal the survivor count; the token lists are untouched.
-    """
-    kv_len = req.kv_committed_len
-    if not manager.needs_pass(kv_len):
-        return None
-    if req.kv.kv_allocated_len != kv_len:
-        raise RuntimeError(
-            f"request {req.rid}: {req.kv.kv_allocated_len} KV slots allocated for {kv_len} "
-            f"committed; over-allocation (speculative decoding) is not supported"
+def due_requests(manager: EvictionManager, reqs) -> list[tuple[int, DueRequest]]:
+    """``(batch index, DueRequest)`` of the requests whose pass is due (O(1) each)."""
+    due = []
+    for i, req in enumerate(reqs):
+        kv_len = req.kv_committed_len
+        if req.decode_batch_idx < 1 or not manager.is_due(
+            req.rid, kv_len, req.cache_protected_len, len(req.origin_input_ids)
+        ):
+            continue
+        if req.kv.kv_allocated_len != kv_len:
+            logger.error(
+                "sglang-evict: request %s has %d KV slots allocated for %d committed; "
+                "over-allocation (speculative decoding) is not supported: no pass",
+                req.rid,
+                req.kv.kv_allocated_len,
+                kv_len,
+            )
+            continue
+        due.append(
+            (
+                i,
+                DueRequest(
+                    rid=req.rid,
+                    req_pool_idx=req.req_pool_idx,
+                    kv_len=kv_len,
+                    num_shared=req.cache_protected_len,
+                    prompt_len=len(req.origin_input_ids),
+                ),
+            )
         )
-    result = manager.run_pass(
-        req.rid,
-        req.req_pool_idx,
-        kv_len,
-        num_shared=req.cache_protected_len,
-        prompt_len=len(req.origin_input_ids),
-    )
-    if result is not None:
-        req.kv_committed_len = result.tokens_after
-        req.kv.kv_allocated_len = result.tokens_after
-    return result
-
-
-def _wait_for_inflight_forward(device) -> None:
-    """Scoring reads, and compaction moves, KV that the previous (overlapped) forward
-    may still be writing: wait for the device first. A full synchronize, paid once per
-    pass (every cadence tokens per request), not per decode step."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+    return due
 
 
 def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
-    """Run due passes for a decode batch and shrink its KV lengths (the work of the
-    ``prepare_for_decode`` hook, before SGLang allocates the decode slots).
+    """Run the decode step's pass for every due request of ``batch`` and shrink the
+    requests' and the batch's KV lengths to the survivors (the ``prepare_for_decode``
+    hook's work, before SGLang allocates the decode slots; see the module docstring).
 
-    A request is compacted only from its second decode step on: under the overlap
-    scheduler its prompt enters the radix tree (``cache_unfinished_req``) after the
-    first decode batch is launched. Batch length tensors are replaced, never edited in
-    place: the in-flight forward still reads the old ones.
+    A pass that fails before anything moved is logged and skipped: the requests keep
+    their full KV. Afterwards ``kv_committed_len`` and ``kv.kv_allocated_len`` of each
+    compacted request equal its survivors; token lists are untouched.
     """
     reqs = batch.reqs
-    due = [
-        i
-        for i, req in enumerate(reqs)
-        if req.decode_batch_idx >= 1 and manager.needs_pass(req.kv_committed_len)
-    ]
+    due = due_requests(manager, reqs)
     if not due:
         return []
-    _wait_for_inflight_forward(batch.seq_lens.device)
-    shrink = torch.zeros(len(reqs), dtype=torch.int64)
-    results = []
-    for i in due:
-        try:
-            result = run_pass_for_req(manager, reqs[i])
-        except (ValueError, RuntimeError) as error:
-            # Validation failed before any byte moved: serve on with the full KV.
-            logger.error("sglang-evict: pass for request %s failed: %s", reqs[i].rid, error)
-            if _Active.metrics is not None:
-                _Active.metrics.record_failure(manager.config.compaction)
-            continue
+    manager.order_after_forward()
+    try:
+        results = manager.run_batch_pass([d for _, d in due])
+    except (ValueError, RuntimeError) as error:
+        logger.error("sglang-evict: pass for %d request(s) skipped: %s", len(due), error)
+        if _Active.metrics is not None:
+            _Active.metrics.record_failure(manager.config.compaction)
+            _Active.metrics.record_manager(manager)
+        return []
+    by_rid = {r.rid: r for r in results}
+    shrink = [0] * len(reqs)
+    for i, request in due:
+        result = by_rid.get(request.rid)
         if result is None:
             continue
         shrink[i] = result.tokens_evicted
-        results.append(result)
-        if _Active.metrics is not None:
-            _Active.metrics.record(result, manager.config.kv_budget_tokens)
+        reqs[i].kv_committed_len = result.tokens_after
+        reqs[i].kv.kv_allocated_len = result.tokens_after
+    for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
+        lengths = getattr(batch, name)
+        if lengths is not None:  # a new tensor of the same device and dtype
+            setattr(batch, name, lengths - _on(shrink, lengths))
+    batch.seq_lens_sum = None
     if _Active.metrics is not None:
-        _Active.metrics.record_compactor(manager.compactor)
-    if results:
-        # New tensors of the same device and dtype (orig_seq_lens is int32).
-        for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
-            lengths = getattr(batch, name)
-            if lengths is not None:
-                setattr(batch, name, lengths - shrink.to(lengths.device, lengths.dtype))
-        batch.seq_lens_sum = None
+        duration_s = results[0].duration_s if results else 0.0
+        _Active.metrics.record_batch(results, manager.config.kv_budget_tokens, duration_s)
+        _Active.metrics.record_manager(manager)
     return results
+
+
+def _on(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    """``values`` as a tensor of ``like``'s device and dtype, copied without a host wait."""
+    return device_int64(values, like.device).to(like.dtype)
 
 
 def _before_prepare_for_decode(batch, *args, **kwargs):

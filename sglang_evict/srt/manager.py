@@ -29,13 +29,12 @@ def make_lease_store(config: EvictionConfig) -> LeaseStore | None:
 
 def make_compactor(
     config: EvictionConfig, pool: SGLangPoolAccess, leases: LeaseStore | None
-) -> Compactor:
-    """The configured compactor: in-process, or the sidecar with an in-process fallback
-    (which completes, with the same plans, any pass the sidecar cannot)."""
+) -> Compactor | None:
+    """The configured compactor: None for in-process passes (the manager moves slots
+    on the pool's device from device plans), or the sidecar with an in-process
+    fallback (which completes, with the same host plans, any pass the sidecar cannot)."""
     if config.compactor == "inprocess":
-        return InProcessCompactor(
-            pool.k_buffers, pool.v_buffers, leases=leases, page_size=pool.page_size
-        )
+        return None
     layout, shared = share_kv_pool(pool.kv_pool, config.shm_dir)
     if shared is not None:
         atexit.register(shared.close)
@@ -50,21 +49,29 @@ def make_compactor(
     return FallbackCompactor(sidecar, fallback, mode=config.compactor_fallback)
 
 
-def make_manager(
-    config: EvictionConfig, params: CacheInitParams, compactor: Compactor | None = None
-) -> EvictionManager:
+def make_manager(config: EvictionConfig, params: CacheInitParams) -> EvictionManager:
     """An ``EvictionManager`` over the pools a radix cache is built with."""
     allocator = params.token_to_kv_pool_allocator
     pool = SGLangPoolAccess(params.req_to_token_pool, allocator, allocator.get_kvcache())
     leases = make_lease_store(config)
-    if compactor is None:
-        compactor = make_compactor(config, pool, leases)
+    compactor = make_compactor(config, pool, leases)
+    req_to_token = params.req_to_token_pool.req_to_token
     return EvictionManager(
         config=config,
         pool=pool,
         compactor=compactor,
-        num_request_rows=params.req_to_token_pool.req_to_token.shape[0],
+        num_request_rows=req_to_token.shape[0],
+        row_capacity=req_to_token.shape[1],
         device=allocator.device,
         leases=leases,
         lease_holder=f"scheduler-{os.getpid()}",
     )
+
+
+def forward_stream_of(tp_worker) -> object | None:
+    """The stream SGLang runs the model's forward on (``ModelRunner.forward_stream``,
+    the one the scheduler's ``forward_stream`` also names), or None (no worker, CPU).
+    Captured when the radix cache is built, so that a pass can wait for the in-flight
+    forward on the device (``EvictionManager.order_after_forward``)."""
+    runner = getattr(tp_worker, "model_runner", None)
+    return getattr(runner, "forward_stream", None)

@@ -46,12 +46,13 @@ class SGLangPoolAccess:
     def v_buffers(self) -> list[Tensor]:
         return list(self.kv_pool.v_buffer)
 
-    def read_row(self, req_pool_idx: int, length: int) -> Tensor:
-        return self.req_to_token[req_pool_idx, :length].to("cpu", torch.int64)
+    def read_rows(self, rows: Tensor, width: int) -> Tensor:
+        return self.req_to_token[:, :width].index_select(0, rows).to(torch.int64)
 
-    def write_row(self, req_pool_idx: int, row: Tensor) -> None:
-        self.req_to_token[req_pool_idx, : row.numel()] = row.to(
-            self.req_to_token.device, torch.int32
+    def write_rows(self, rows: Tensor, values: Tensor) -> None:
+        columns = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
+        self.req_to_token.index_put_(
+            (rows.unsqueeze(1), columns), values.to(self.req_to_token.dtype)
         )
 
     def gather_keys(self, slots: Tensor) -> Tensor:
@@ -65,15 +66,36 @@ class SGLangPoolAccess:
             layers.append(keys.float())
         return torch.stack(layers)
 
+    def available_pages(self) -> int:
+        """Free pages the allocator can hand out now (a length: no device read)."""
+        return self.allocator.available_size() // self.page_size
+
     def alloc_pages(self, num_pages: int) -> Tensor | None:
+        """int64 device ids of ``num_pages`` whole pages (slicing the free list on the
+        host: no synchronisation), or None if the pool is short."""
         slots = self.allocator.alloc(num_pages * self.page_size)
         if slots is None:
             return None
-        return (slots[:: self.page_size] // self.page_size).to("cpu", torch.int64)
+        return torch.div(slots[:: self.page_size], self.page_size, rounding_mode="floor")
 
-    def free_pages(self, pages: Tensor) -> None:
-        if pages.numel():
-            self.allocator.free((pages * self.page_size).to(self.allocator.device))
+    def release_pages(self, pages: Tensor) -> None:
+        """Give pages (slots when the page size is 1) back without synchronising.
+
+        ``PagedTokenToKVPoolAllocator.free`` runs ``torch.unique`` over the freed slots
+        (a data-dependent shape: the host waits for the device); the pass already holds
+        distinct page ids, so they go straight to the free list the way ``free`` would
+        put them there (``_release_page_ids``, or the open free group). The token
+        allocator's ``free`` is a concatenation: used as it is.
+        """
+        if pages.numel() == 0:
+            return
+        allocator = self.allocator
+        if self.page_size == 1:
+            allocator.free(pages.to(allocator.device))
+        elif allocator.is_not_in_free_group:
+            allocator._release_page_ids(pages.to(allocator.device))
+        else:
+            allocator.free_page_reps_group.append(pages.to(allocator.device) * self.page_size)
 
 
 def share_kv_pool(kv_pool: MHATokenToKVPool, shm_dir: str) -> tuple[PoolLayout, object]:

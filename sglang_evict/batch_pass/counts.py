@@ -1,0 +1,151 @@
+"""What a pass will do to one request, computed on the host from lengths it already
+knows: never from device data.
+
+The batched pass (``sglang_evict.batch_pass``) must size every device tensor, give the
+allocator a tensor of known length and shrink SGLang's lengths without reading
+anything back from the device. That works because the number of survivors follows from
+counts alone:
+
+    survivors = min(kv_len, max(budget, |protected|))
+
+where the protected tokens are a union of two ranges of *logical positions*, each
+fully present in the row:
+
+    leading   [0, lead_end)               lead_end = max(sinks + protected prefix,
+                                                         prompt_len  (unless evict_prompt),
+                                                         frozen_len)
+    recent    [next - window, next)       next = the next token's logical position
+
+    frozen_len = min(ceil(num_shared / P) * P, kv_len): the shared (radix-tree owned)
+    prefix rounded up to whole pages; its entries never move, so entry i holds
+    position i there.
+
+Why both ranges are present in full: every earlier pass protected them, the leading
+range is fixed for a request's life, and the recent range only moves forward over
+tokens appended since (``EvictionManager.check_request`` verifies it after every
+operation in the tests). And if a future policy protected more than an earlier pass
+did, the count would only over-estimate the protected tokens actually present, which
+keeps the survivor count reachable: the device selection evicts exactly
+``kv_len - survivors`` unprotected tokens, and at least that many exist.
+
+Diagram (kv_len 12 after an earlier pass, next = 20, lead_end 4, window 3)::
+
+    logical positions held   0 1 2 3 . . 6 . 8 9 . . . 13 . 15 16 17 18 19
+    protected                [leading ]                          [ recent ]
+    |protected| = 4 + 3 = 7 (the ranges do not overlap here)
+
+A pass is due when the request holds ``cadence`` tokens more than a pass would keep
+(``kv_len - survivors >= cadence``): with the usual budget > protected this is the
+trigger ``kv_len >= budget + cadence``; when the protected tokens alone exceed the
+budget (a long protected prompt), the request still runs at most one pass per
+``cadence`` tokens it generates, each evicting at least ``cadence`` tokens, instead of
+a pass per step evicting one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class PassCounts:
+    """Host-known counts of one request's pass (all ints; ``survivors`` etc. as above).
+
+    Attributes:
+        kv_len: row entries in use before the pass.
+        next_position: logical position of the next token (``kv_len + offset``).
+        lead_end, window_start: the protected ranges ``[0, lead_end)`` and
+            ``[window_start, next_position)`` of logical positions.
+        frozen_len: leading row entries that never move (whole shared pages).
+        num_protected: ``|protected|``.
+        survivors: the request's KV length after the pass.
+        pages_before, pages_after: ``ceil(tokens / page_size)`` before and after.
+        budget: the request's budget (a per-request policy plugs in here).
+    """
+
+    kv_len: int
+    next_position: int
+    lead_end: int
+    window_start: int
+    frozen_len: int
+    num_protected: int
+    survivors: int
+    pages_before: int
+    pages_after: int
+    budget: int
+    page_size: int
+
+    @property
+    def tokens_evicted(self) -> int:
+        return self.kv_len - self.survivors
+
+    @property
+    def pages_freed(self) -> int:
+        """Net pages the allocator gains: pages before - pages after."""
+        return self.pages_before - self.pages_after
+
+    @property
+    def frozen_pages(self) -> int:
+        """Whole leading pages that never move (``frozen_len`` is a multiple of the page
+        size whenever a pass evicts anything: else every entry is protected)."""
+        return self.frozen_len // self.page_size
+
+    @property
+    def protected_over_budget(self) -> bool:
+        return self.num_protected > self.budget
+
+    def staging_pages(self, strategy: str) -> int:
+        """Fresh pages ``repack`` claims at most: every page it builds past the frozen
+        ones (page size 1 builds nothing: each slot is its own page)."""
+        if strategy != "repack" or self.page_size == 1:
+            return 0
+        return ceil_div(self.survivors - self.frozen_len, self.page_size)
+
+
+def pass_counts(
+    *,
+    kv_len: int,
+    position_offset: int,
+    num_shared: int,
+    prompt_len: int,
+    page_size: int,
+    budget: int,
+    sink_tokens: int,
+    protected_tokens: int,
+    window_tokens: int,
+    evict_prompt: bool,
+) -> PassCounts:
+    """The counts of a pass over a request holding ``kv_len`` entries (see the module
+    docstring); O(1), host ints only."""
+    if kv_len < 0 or page_size < 1 or budget < 0:
+        raise ValueError(
+            f"kv_len={kv_len}, page_size={page_size}, budget={budget}: need kv_len >= 0, "
+            f"page_size >= 1, budget >= 0"
+        )
+    next_position = kv_len + position_offset
+    frozen_len = min(ceil_div(num_shared, page_size) * page_size, kv_len)
+    prompt_end = 0 if evict_prompt else prompt_len
+    lead_end = max(sink_tokens + protected_tokens, prompt_end, frozen_len)
+    lead = min(lead_end, next_position)
+    window_start = max(next_position - window_tokens, 0)
+    recent = next_position - window_start
+    overlap = max(0, lead - window_start)
+    num_protected = min(lead + recent - overlap, kv_len)
+    survivors = min(kv_len, max(budget, num_protected))
+    return PassCounts(
+        kv_len=kv_len,
+        next_position=next_position,
+        lead_end=lead_end,
+        window_start=window_start,
+        frozen_len=frozen_len,
+        num_protected=num_protected,
+        survivors=survivors,
+        pages_before=ceil_div(kv_len, page_size),
+        pages_after=ceil_div(survivors, page_size),
+        budget=budget,
+        page_size=page_size,
+    )

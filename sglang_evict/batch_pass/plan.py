@@ -1,0 +1,346 @@
+"""Batched compaction planning on the device: ``hole_fill`` and ``repack`` for every
+due request at once, as tensor operations (no loop over requests, pages or tokens).
+
+The numpy planner (``sglang_evict.planner.plan_compaction``) is the reference: these
+plans need not copy its choices, but the tests hold them to the same contract, for
+every request (``check_plan_invariants``): page-structured new rows reading exactly the
+survivors, no move ever writing a survivor's slot, shared pages untouched, and the same
+number of pages freed (pages before - pages after; host-known, see ``counts``).
+
+Layout. Requests are padded to the longest: the old rows as ``[R, N]`` and, viewed
+page by page, as a grid ``[R, NP, P]`` (``NP = ceil(N / P)``); the new rows as
+``[R, K]`` with ``K`` the largest survivor count. Every data-dependent choice stays on
+the device; only these shapes and the counts come from the host.
+
+    old row pages      j:  0        1         2          3          (P = 4)
+    grid cell (j, o)      [F F F F][a . b .][. c . .][d e f g]      F frozen (shared)
+    hole_fill keeps       [F F F F]          ........ [d e f g]     the fullest pages,
+    and fills holes       [F F F F][d e f g][a b c  ]              in place; pages
+                                                                    1 and 2 donate
+
+``hole_fill``: ``q = m // P`` full pages and, when ``rem = m % P`` > 0, one partial
+page are kept among the non-frozen pages (``m`` = non-frozen survivors): the full ones
+are the pages holding most survivors (ties: the earlier page), the partial one the page
+keeping most survivors at offsets ``< rem``. Kept cells that hold no survivor (or lie in
+the free tail of the last page) are *holes*; survivors outside the kept cells are
+*movers*; a cumulative sum ranks both and the k-th mover fills the k-th hole. Every
+destination is a hole: never a survivor's slot (invariant 3). Never needs fresh pages.
+
+``repack``: the new row holds the survivors in logical order (one ``argsort`` of the
+positions). New page ``u`` (``P`` consecutive survivors) stays in an old page when one
+of its survivors already sits at its target offset there and every other survivor of
+that page is either in place for ``u`` or beyond ``u``'s end (then it moves out and is
+not overwritten): that page's other cells are holes. Otherwise it is built in a staging
+page. The host claims an upper bound of staging pages (every built page) before the
+plan; the ones left unused go back to the allocator with the freed pages, so the
+allocator always gets exactly ``pages_before - frozen_pages`` pages back per request
+and the net gain is still ``pages_before - pages_after``. Page size 1 never needs
+staging (each slot is its own page and always stays).
+
+Moves. One per new-row entry (``[R, K]``): ``src == dst`` means no move (entries that
+stay, and padding: slot 0 -> slot 0, SGLang's padding slot), so the count of real
+moves never has to reach the host; the repack kernel skips them
+(``sglang_evict_kernels.repack_kv_independent``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from compactor_service.plan import CompactionPlan
+from sglang_evict.batch_pass.counts import ceil_div
+
+_LAST = torch.iinfo(torch.int64).max
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """One batched pass's planning inputs, padded to ``[R, N]`` (device tensors).
+
+    Attributes:
+        page_size: the pool's page size ``P``.
+        rows: int64 slots of each request's row (page-structured; padding: 0).
+        keep: bool survivors (padding: False; every frozen entry must survive).
+        positions: int64 logical positions.
+        kv_len, survivors, frozen_len: int64 ``[R]`` (host-known counts, on device);
+            ``frozen_len`` is a multiple of ``P``.
+        max_survivors: ``max(survivors)`` (host), the new rows' padded width ``K``.
+        num_released: pages (slots when ``P == 1``) the allocator gets back, all
+            requests together (host): ``sum(pages_freed + staging given)``.
+    """
+
+    page_size: int
+    rows: Tensor
+    keep: Tensor
+    positions: Tensor
+    kv_len: Tensor
+    survivors: Tensor
+    frozen_len: Tensor
+    max_survivors: int
+    num_released: int
+
+    @classmethod
+    def from_requests(
+        cls,
+        page_size: int,
+        rows: list[Tensor],
+        keeps: list[Tensor],
+        positions: list[Tensor],
+        frozen_lens: list[int],
+        num_staging: list[int] | None = None,
+    ) -> PlanInputs:
+        """Pad per-request 1-D tensors (tests, benches)."""
+        width = max(1, *(r.numel() for r in rows))
+
+        def pad(values: list[Tensor], fill) -> Tensor:
+            out = torch.full((len(values), width), fill, dtype=values[0].dtype)
+            for i, v in enumerate(values):
+                out[i, : v.numel()] = v
+            return out
+
+        kv_lens = [r.numel() for r in rows]
+        survivors = [int(k.sum()) for k in keeps]
+        freed = [
+            ceil_div(n, page_size) - ceil_div(k, page_size)
+            for n, k in zip(kv_lens, survivors, strict=True)
+        ]
+        staging = num_staging or [0] * len(rows)
+        return cls(
+            page_size=page_size,
+            rows=pad(rows, 0),
+            keep=pad(keeps, False),
+            positions=pad(positions, 0),
+            kv_len=torch.tensor(kv_lens),
+            survivors=torch.tensor(survivors),
+            frozen_len=torch.tensor(frozen_lens),
+            max_survivors=max(survivors),
+            num_released=sum(freed) + sum(staging),
+        )
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A batched pass's plan, on the device; request ``r``'s part is row ``r``.
+
+    Attributes:
+        new_row: int64 ``[R, K]``, the request-to-token rows after commit (columns past
+            the survivors: 0).
+        new_positions: int64 ``[R, K]``, logical position of each new-row entry.
+        src, dst: int64 ``[R, K]``, one move per new-row entry; ``src == dst``: none.
+        page_ids: int64 ``[R, NP]``, the physical page of each old row page.
+        freed: bool ``[R, NP]``, old row pages the request gives up.
+        staging: int64 ``[R, U]`` staging pages the host claimed (``repack``).
+        staging_used: bool ``[R, U]``, those the new rows use.
+        release: int64, every page (slot when ``P == 1``) the allocator gets back:
+            freed pages and unused staging pages (host-known length).
+    """
+
+    page_size: int
+    new_row: Tensor
+    new_positions: Tensor
+    src: Tensor
+    dst: Tensor
+    page_ids: Tensor
+    freed: Tensor
+    staging: Tensor
+    staging_used: Tensor
+    release: Tensor
+
+    def move_counts(self) -> Tensor:
+        """int64 ``[R]`` slot copies per request, on the device."""
+        return (self.src != self.dst).sum(dim=1)
+
+    def to_host_plans(self, survivors: list[int]) -> list[CompactionPlan]:
+        """One ``CompactionPlan`` per request, on the host (reads the device: for the
+        sidecar, whose API carries host plans, and for tests)."""
+        cpu = {
+            name: getattr(self, name).cpu()
+            for name in ("new_row", "new_positions", "src", "dst", "page_ids", "freed")
+        }
+        staging, used = self.staging.cpu(), self.staging_used.cpu()
+        plans = []
+        for r, k in enumerate(survivors):
+            src, dst = cpu["src"][r, :k], cpu["dst"][r, :k]
+            real = src != dst
+            plans.append(
+                CompactionPlan(
+                    page_size=self.page_size,
+                    new_row=cpu["new_row"][r, :k].clone(),
+                    new_positions=cpu["new_positions"][r, :k].clone(),
+                    src_slots=src[real].clone(),
+                    dst_slots=dst[real].clone(),
+                    freed_pages=cpu["page_ids"][r][cpu["freed"][r]].clone(),
+                    claimed_pages=staging[r][used[r]].clone(),
+                )
+            )
+        return plans
+
+
+def _pad_columns(t: Tensor, width: int, fill) -> Tensor:
+    if t.shape[1] == width:
+        return t
+    tail = torch.full((t.shape[0], width - t.shape[1]), fill, dtype=t.dtype, device=t.device)
+    return torch.cat([t, tail], dim=1)
+
+
+def _flatten_selected(values: Tensor, mask: Tensor, total: int) -> Tensor:
+    """``values[mask]`` in row-major order as a tensor of the host-known length
+    ``total`` (a boolean index would make the host wait for the count)."""
+    per_row = mask.sum(dim=1)
+    base = (per_row.cumsum(0) - per_row).unsqueeze(1)
+    index = torch.where(mask, base + mask.cumsum(dim=1) - 1, total)
+    out = values.new_zeros(total + 1)
+    return out.scatter_(0, index.reshape(-1), values.reshape(-1))[:total]
+
+
+class _Grid:
+    """Shared views of the padded inputs (``[R, NP, P]`` cells)."""
+
+    def __init__(self, inputs: PlanInputs) -> None:
+        P = self.P = inputs.page_size
+        R, N = inputs.rows.shape
+        self.R, self.NP, self.K = R, ceil_div(N, P), inputs.max_survivors
+        self.C = self.NP * P
+        self.device = inputs.rows.device
+        self.rows = _pad_columns(inputs.rows, self.C, 0)
+        self.keep = _pad_columns(inputs.keep, self.C, False)
+        self.positions = _pad_columns(inputs.positions, self.C, 0)
+        self.page_ids = torch.div(self.rows.view(R, self.NP, P)[:, :, 0], P, rounding_mode="floor")
+        self.j = torch.arange(self.NP, device=self.device).unsqueeze(0)  # row page
+        self.o = torch.arange(P, device=self.device).view(1, 1, P)  # offset in a page
+        self.t = torch.arange(self.K, device=self.device).unsqueeze(0)  # new-row index
+        self.frozen_pages = torch.div(inputs.frozen_len, P, rounding_mode="floor").unsqueeze(1)
+        self.pages_before = torch.div(inputs.kv_len + P - 1, P, rounding_mode="floor").unsqueeze(1)
+        self.candidate = (self.j >= self.frozen_pages) & (self.j < self.pages_before)
+        self.live = self.t < inputs.survivors.unsqueeze(1)
+
+    def finish(
+        self,
+        inputs: PlanInputs,
+        content: Tensor,
+        new_row: Tensor,
+        freed: Tensor,
+        staging: Tensor,
+        staging_used: Tensor,
+        staging_given: Tensor,
+    ) -> BatchPlan:
+        """Moves, positions and released pages from each new entry's old entry
+        (``content``) and slot (``new_row``), both ``[R, K]``."""
+        new_row = torch.where(self.live, new_row, 0)
+        src = torch.where(self.live, self.rows.gather(1, content), 0)
+        released = _flatten_selected(
+            torch.cat([self.page_ids, staging], dim=1),
+            torch.cat([freed, staging_given & ~staging_used], dim=1),
+            inputs.num_released,
+        )
+        return BatchPlan(
+            page_size=self.P,
+            new_row=new_row,
+            new_positions=torch.where(self.live, self.positions.gather(1, content), 0),
+            src=src,
+            dst=new_row,
+            page_ids=self.page_ids,
+            freed=freed,
+            staging=staging,
+            staging_used=staging_used,
+            release=released,
+        )
+
+
+def plan_hole_fill(inputs: PlanInputs) -> BatchPlan:
+    """``hole_fill`` for every request of the batch (module docstring)."""
+    g = _Grid(inputs)
+    P, R, NP, C, K, j, o = g.P, g.R, g.NP, g.C, g.K, g.j, g.o
+    alive = g.keep.view(R, NP, P)
+    rest = (inputs.survivors - inputs.frozen_len).unsqueeze(1)
+    full_pages, rem = torch.div(rest, P, rounding_mode="floor"), rest % P
+    # Full pages: the candidates holding most survivors (ties: the earlier page).
+    count = alive.sum(dim=-1)
+    key = torch.where(g.candidate, count * NP + (NP - 1 - j), -1)
+    order = key.argsort(dim=1, descending=True)
+    rank = torch.empty_like(order).scatter_(1, order, j.expand(R, NP).contiguous())
+    full = g.candidate & (rank < full_pages)
+    # The partial page: among the rest, most survivors at offsets < rem.
+    leading = (alive & (o < rem.unsqueeze(2))).sum(dim=-1)
+    key = torch.where(g.candidate & ~full, leading * NP + (NP - 1 - j), -1)
+    partial = (j == key.argmax(dim=1, keepdim=True)) & (rem > 0)
+    kept_full = (j < g.frozen_pages) | full  # frozen pages stay whole, in place
+    new_page = torch.where(partial, g.frozen_pages + full_pages, kept_full.cumsum(dim=1) - 1)
+    region = (kept_full.unsqueeze(2) | (partial.unsqueeze(2) & (o < rem.unsqueeze(2)))).view(R, C)
+    alive = alive.reshape(R, C)
+    hole, mover = region & ~alive, alive & ~region
+    # The k-th mover (row order) fills the k-th hole (row order).
+    cells = torch.arange(C, device=g.device).unsqueeze(0).expand(R, C)
+    mover_at = torch.zeros(R, C + 1, dtype=torch.int64, device=g.device)
+    mover_at.scatter_(1, torch.where(mover, mover.cumsum(dim=1) - 1, C), cells)
+    incoming = mover_at.gather(1, torch.where(hole, hole.cumsum(dim=1) - 1, C))
+    content_of_cell = torch.where(hole, incoming, cells)
+    target = torch.where(region, (new_page.unsqueeze(2) * P + o).view(R, C), K)
+    content = torch.zeros(R, K + 1, dtype=torch.int64, device=g.device)
+    content = content.scatter_(1, target, content_of_cell)[:, :K]
+    slot_of_cell = (g.page_ids.unsqueeze(2) * P + o).view(R, C)
+    new_row = torch.zeros(R, K + 1, dtype=torch.int64, device=g.device)
+    new_row = new_row.scatter_(1, target, slot_of_cell)[:, :K]
+    freed = g.candidate & ~(full | partial)
+    no_staging = torch.zeros(R, 0, dtype=torch.int64, device=g.device)
+    none = no_staging.bool()
+    return g.finish(inputs, content, new_row, freed, no_staging, none, none)
+
+
+def plan_repack(inputs: PlanInputs, staging: Tensor, staging_given: Tensor) -> BatchPlan:
+    """``repack`` for every request of the batch (module docstring).
+
+    ``staging``: int64 ``[R, U]`` pages the host claimed, ``staging_given`` bool
+    ``[R, U]`` which columns hold one (``U_r`` leading columns per request).
+    """
+    g = _Grid(inputs)
+    P, R, C, K, o, t = g.P, g.R, g.C, g.K, g.o, g.t
+    frozen_len = inputs.frozen_len.unsqueeze(1)
+    index = torch.arange(C, device=g.device).unsqueeze(0)
+    rest = g.keep & (index >= frozen_len)
+    by_position = torch.where(rest, g.positions, _LAST).argsort(dim=1)  # rest first
+    content = torch.where(
+        t < frozen_len, t, by_position.gather(1, (t - frozen_len).clamp(min=0).expand(R, K))
+    )
+    # Each old entry's new index (-1: none), to test pages for reuse.
+    new_index = torch.full((R, C + 1), -1, dtype=torch.int64, device=g.device)
+    new_index.scatter_(1, torch.where(g.live, content, C), t.expand(R, K).contiguous())
+    new_index = new_index[:, :C]
+    # New page u may stay in the old page of its first in-place survivor.
+    KP = ceil_div(K, P)
+    in_place = g.live & (content % P == t % P) & (t >= frozen_len)
+    in_place = _pad_columns(in_place, KP * P, False).view(R, KP, P)
+    first = in_place.to(torch.uint8).argmax(dim=2, keepdim=True)
+    content_pages = _pad_columns(content, KP * P, 0).view(R, KP, P)
+    candidate = torch.div(content_pages.gather(2, first).squeeze(2), P, rounding_mode="floor")
+    u = torch.arange(KP, device=g.device).unsqueeze(0)
+    chunk_len = (inputs.survivors.unsqueeze(1) - u * P).clamp(0, P)
+    cells = (candidate.unsqueeze(2) * P + o).view(R, KP * P)
+    alive_there = g.keep.gather(1, cells).view(R, KP, P)
+    index_there = new_index.gather(1, cells).view(R, KP, P)
+    fits = (
+        (o >= chunk_len.unsqueeze(2)) | ~alive_there | (index_there == u.unsqueeze(2) * P + o)
+    ).all(dim=2)
+    built = (u >= g.frozen_pages) & (chunk_len > 0)
+    reuse = built & in_place.any(dim=2) & fits
+    build = built & ~reuse
+    stage_rank = build.cumsum(dim=1) - 1
+    if staging.shape[1]:
+        stage_page = staging.gather(1, stage_rank.clamp(0, staging.shape[1] - 1))
+    else:
+        stage_page = torch.zeros_like(stage_rank)
+    physical = torch.where(
+        u < g.frozen_pages,
+        g.page_ids.gather(1, u.clamp(max=g.NP - 1).expand(R, KP).contiguous()),
+        torch.where(reuse, g.page_ids.gather(1, candidate), stage_page),
+    )
+    new_row = physical.gather(1, torch.div(t, P, rounding_mode="floor").expand(R, K)) * P + t % P
+    columns = torch.arange(staging.shape[1], device=g.device).unsqueeze(0)
+    staging_used = columns < build.sum(dim=1, keepdim=True)
+    reused = torch.zeros(R, g.NP + 1, dtype=torch.bool, device=g.device)
+    reused = reused.scatter_(1, torch.where(reuse, candidate, g.NP), True)[:, : g.NP]
+    freed = g.candidate & ~reused
+    return g.finish(inputs, content, new_row, freed, staging, staging_used, staging_given)

@@ -1,0 +1,131 @@
+"""The mechanism's data types: what it needs from the engine's pools
+(``KVPoolAccess``), the requests a pass covers (``DueRequest``), what it keeps per
+request (``RequestState``, ``QueryRing``) and what a pass reports (``PassResult``).
+``sglang_evict.evictor`` explains the state they describe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class KVPoolAccess(Protocol):
+    """What the mechanism needs from the engine's pools (implemented by the adapter).
+    Every method is free of host synchronisation on a GPU pool."""
+
+    page_size: int
+    k_buffers: list[Tensor]  # per-layer [slots, kv_heads, head_dim]
+    v_buffers: list[Tensor]
+
+    def read_rows(self, rows: Tensor, width: int) -> Tensor:
+        """int64 ``[len(rows), width]``: the first ``width`` entries of those rows."""
+        ...
+
+    def write_rows(self, rows: Tensor, values: Tensor) -> None:
+        """Overwrite the first ``values.shape[1]`` entries of those rows."""
+        ...
+
+    def gather_keys(self, slots: Tensor) -> Tensor:
+        """float ``[layers, len(slots), kv_heads, head_dim]`` cached keys."""
+        ...
+
+    def available_pages(self) -> int:
+        """Free pages (slots when the page size is 1), host-known."""
+        ...
+
+    def alloc_pages(self, num_pages: int) -> Tensor | None:
+        """int64 device page ids of ``num_pages`` fresh pages, or None if short."""
+        ...
+
+    def release_pages(self, pages: Tensor) -> None:
+        """Give pages (slots when the page size is 1) back to the allocator."""
+        ...
+
+
+@dataclass
+class RequestState:
+    """Mechanism-owned eviction state of one running request (module docstring)."""
+
+    req_pool_idx: int
+    compacted_len: int
+    position_offset: int
+    num_shared: int
+    prompt_len: int
+    num_passes: int = 0
+    tokens_evicted: int = 0
+
+
+class QueryRing:
+    """The latest ``capacity`` queries of one request, every layer (post-RoPE), with
+    their logical positions: what query-reading scorers see (CPU loop)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.queries: Tensor | None = None  # [layers, capacity, q_heads, head_dim]
+        self.positions = torch.zeros(capacity, dtype=torch.int64)
+        self.count = 0
+
+    def append(self, queries: Tensor, positions: Tensor) -> None:
+        """Add ``queries`` ``[layers, tokens, q_heads, head_dim]`` at ``positions``."""
+        if self.queries is None:
+            layers, _, heads, dim = queries.shape
+            self.queries = torch.zeros(layers, self.capacity, heads, dim, dtype=queries.dtype)
+        for t in range(max(0, queries.shape[1] - self.capacity), queries.shape[1]):
+            at = self.count % self.capacity
+            self.queries[:, at] = queries[:, t].to(self.queries.dtype)
+            self.positions[at] = int(positions[t])
+            self.count += 1
+
+    def ordered(self) -> tuple[Tensor, Tensor]:
+        """(queries ``[layers, n, q_heads, head_dim]``, positions ``[n]``), oldest first."""
+        if self.queries is None:
+            raise ValueError("no queries captured")
+        n = min(self.count, self.capacity)
+        order = (torch.arange(n) + (self.count - n)) % self.capacity
+        return self.queries[:, order], self.positions[order]
+
+
+@dataclass(frozen=True)
+class DueRequest:
+    """A request a decode step's pass covers (host ints the scheduler holds)."""
+
+    rid: str
+    req_pool_idx: int
+    kv_len: int  # row entries in use, all written
+    num_shared: int  # leading entries the radix tree owns (never touched)
+    prompt_len: int  # prompt tokens; protected unless config.evict_prompt
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """One request's part of a batched pass, for metrics, traces and tests.
+
+    ``slot_copies_device`` stays on the device: reading ``slot_copies`` or
+    ``bytes_moved`` synchronises, so the hot path never does (metrics fold it in
+    later, ``sglang_evict.metrics``)."""
+
+    rid: str
+    tokens_before: int
+    tokens_after: int
+    pages_freed: int
+    strategy: str
+    protected_over_budget: bool
+    duration_s: float  # host time of the whole batched pass
+    slot_copies_device: Tensor
+    bytes_per_slot: int  # every layer's K and V row of one slot
+
+    @property
+    def tokens_evicted(self) -> int:
+        return self.tokens_before - self.tokens_after
+
+    @property
+    def slot_copies(self) -> int:
+        return int(self.slot_copies_device)
+
+    @property
+    def bytes_moved(self) -> int:
+        """Read + written."""
+        return 2 * self.slot_copies * self.bytes_per_slot
