@@ -416,7 +416,8 @@ class EvictionManager:
                 strategy=strategy,
                 protected_over_budget=c.protected_over_budget,
                 duration_s=duration_s,
-                slot_copies_device=copies[i],
+                batch_slot_copies=copies,
+                batch_index=i,
                 bytes_per_slot=self.bytes_per_slot,
             )
             for i, (d, c) in enumerate(work)
@@ -488,7 +489,9 @@ class EvictionManager:
                 )
             repack_kv_independent(self.pool.k_buffers, self.pool.v_buffers, src, dst)
             return plan.move_counts()
-        host_plans = plan.to_host_plans([c.survivors for c in counts])
+        host_plans = plan.to_host_plans(
+            [c.survivors for c in counts], [c.frozen_len for c in counts]
+        )
         try:
             self.compactor.compact(host_plans, claim)
         except Exception as error:

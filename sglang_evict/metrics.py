@@ -170,17 +170,18 @@ class EvictionMetrics:
             )
         self.pass_duration.labels(**labels).observe(duration_s)
         tally, _ = self._copies.setdefault(strategy, (DeviceTally(), results[0].bytes_per_slot))
-        tally.add(torch.stack([r.slot_copies_device for r in results]).sum())
+        batches = {id(r.batch_slot_copies): r.batch_slot_copies for r in results}
+        for copies in batches.values():  # one tensor per batched pass
+            tally.add(copies.sum())
         self.fold_device_counts()
 
     def fold_device_counts(self) -> None:
         """Add the slot copies (and bytes: read + written) that reached the host."""
         for strategy, (tally, bytes_per_slot) in self._copies.items():
             copies = tally.poll()
-            if copies:
-                labels = {"strategy": strategy, "scorer": self.scorer}
-                self.slot_copies.labels(**labels).inc(copies)
-                self.bytes_moved.labels(**labels).inc(2 * copies * bytes_per_slot)
+            labels = {"strategy": strategy, "scorer": self.scorer}
+            self.slot_copies.labels(**labels).inc(copies)
+            self.bytes_moved.labels(**labels).inc(2 * copies * bytes_per_slot)
 
     def record_manager(self, manager: Any) -> None:
         """Lease releases that failed and passes completed in-process (host counters of

@@ -103,9 +103,10 @@ class DueRequest:
 class PassResult:
     """One request's part of a batched pass, for metrics, traces and tests.
 
-    ``slot_copies_device`` stays on the device: reading ``slot_copies`` or
-    ``bytes_moved`` synchronises, so the hot path never does (metrics fold it in
-    later, ``sglang_evict.metrics``)."""
+    The slot copies stay on the device, one tensor for the whole batch
+    (``batch_slot_copies[batch_index]`` is this request's): reading ``slot_copies`` or
+    ``bytes_moved`` synchronises, so the hot path never does (metrics fold the batch's
+    total in later, ``sglang_evict.metrics``)."""
 
     rid: str
     tokens_before: int
@@ -114,7 +115,8 @@ class PassResult:
     strategy: str
     protected_over_budget: bool
     duration_s: float  # host time of the whole batched pass
-    slot_copies_device: Tensor
+    batch_slot_copies: Tensor  # int64 [requests of the batch], on the pool's device
+    batch_index: int
     bytes_per_slot: int  # every layer's K and V row of one slot
 
     @property
@@ -123,7 +125,7 @@ class PassResult:
 
     @property
     def slot_copies(self) -> int:
-        return int(self.slot_copies_device)
+        return int(self.batch_slot_copies[self.batch_index])
 
     @property
     def bytes_moved(self) -> int:

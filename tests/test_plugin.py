@@ -198,8 +198,8 @@ def test_metrics_count_what_the_passes_did():
     req = engine.add_request("a", list(range(40)))
     for step in range(100):
         engine.decode_step(req, step)
-    for _, result in engine.pass_log:
-        recorder.record(result, config.kv_budget_tokens)
+    for _, result in engine.pass_log:  # one request: one result per batched pass
+        recorder.record_batch([result], config.kv_budget_tokens, result.duration_s)
     labels = {"strategy": "hole_fill", "scorer": "knorm"}
 
     def value(name, **extra):
@@ -220,7 +220,7 @@ def test_metrics_count_what_the_passes_did():
 
 def test_metric_names_never_reuse_sglangs_namespace():
     names = [v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)]
-    assert len(names) == 10 and all(name.startswith("sglang_evict:") for name in names)
+    assert len(names) == 12 and all(name.startswith("sglang_evict:") for name in names)
 
 
 def test_decode_hook_replaces_batch_lengths_keeping_their_dtypes():

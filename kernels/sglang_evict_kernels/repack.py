@@ -221,7 +221,7 @@ def repack_kv_independent(
 
     CUDA: one Triton launch (``SKIP_SELF``: a padding move loads its two indices and
     stops). CPU: the self-moves are dropped by a boolean mask (no device to wait for)
-    and the rest go through the torch reference.
+    and the rest are copied with ``index_select``/``index_copy_`` per buffer.
     """
     buffers = [*k_buffers, *v_buffers]
     if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
@@ -236,7 +236,9 @@ def repack_kv_independent(
     device = buffers[0].device
     if device.type != "cuda":
         real = src_slots != dst_slots
-        repack_kv_reference(k_buffers, v_buffers, src_slots[real], dst_slots[real])
+        src, dst = src_slots[real].to(device), dst_slots[real].to(device)
+        for buf in buffers:  # independent moves: no staging needed
+            buf.index_copy_(0, dst, buf.index_select(0, src))
         return
     for buf in buffers:
         if not buf.is_contiguous() or buf.dim() < 2:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sglang_evict.batch_pass.counts import PassCounts
+from sglang_evict.batch_pass.counts import PassCounts, ceil_div
 from sglang_evict.scorers.base import BatchKVView
 from sglang_evict_kernels import device_int64
 
@@ -79,7 +79,11 @@ def batch_inputs(
     ]
     packed = device_int64([v for column in zip(*values, strict=True) for v in column], device)
     columns = dict(zip(COLUMNS, packed.view(len(COLUMNS), len(counts)), strict=True))
-    width = max(c.kv_len for c in counts)
+    # Whole pages when the row capacity allows: the planner's page grid is then a view.
+    page_size = counts[0].page_size
+    width = min(
+        ceil_div(max(c.kv_len for c in counts), page_size) * page_size, positions_by_row.shape[1]
+    )
     index = torch.arange(width, device=device).unsqueeze(0)
     rows_raw = pool.read_rows(columns["row"], width)
     valid = index < columns["kv_len"].unsqueeze(1)

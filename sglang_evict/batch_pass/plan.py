@@ -153,23 +153,33 @@ class BatchPlan:
         """int64 ``[R]`` slot copies per request, on the device."""
         return (self.src != self.dst).sum(dim=1)
 
-    def to_host_plans(self, survivors: list[int]) -> list[CompactionPlan]:
+    def to_host_plans(
+        self, survivors: list[int], frozen_lens: list[int] | None = None
+    ) -> list[CompactionPlan]:
         """One ``CompactionPlan`` per request, on the host (reads the device: for the
-        sidecar, whose API carries host plans, and for tests)."""
+        sidecar, whose API carries host plans, and for tests).
+
+        ``frozen_lens``: leave each request's frozen (shared) leading entries out of its
+        plan's ``new_row``/``new_positions``. They never move, and requests sharing a
+        prefix share those slots, while a compactor checks that the plans of one batch
+        hold disjoint slots (``validate_batch``): the plans sent cover what the pass
+        may change. Frozen lengths are whole pages, so the rows stay page-structured.
+        """
         cpu = {
             name: getattr(self, name).cpu()
             for name in ("new_row", "new_positions", "src", "dst", "page_ids", "freed")
         }
         staging, used = self.staging.cpu(), self.staging_used.cpu()
         plans = []
-        for r, k in enumerate(survivors):
+        starts = frozen_lens or [0] * len(survivors)
+        for r, (k, start) in enumerate(zip(survivors, starts, strict=True)):
             src, dst = cpu["src"][r, :k], cpu["dst"][r, :k]
             real = src != dst
             plans.append(
                 CompactionPlan(
                     page_size=self.page_size,
-                    new_row=cpu["new_row"][r, :k].clone(),
-                    new_positions=cpu["new_positions"][r, :k].clone(),
+                    new_row=cpu["new_row"][r, start:k].clone(),
+                    new_positions=cpu["new_positions"][r, start:k].clone(),
                     src_slots=src[real].clone(),
                     dst_slots=dst[real].clone(),
                     freed_pages=cpu["page_ids"][r][cpu["freed"][r]].clone(),

@@ -176,12 +176,13 @@ class MemoryDriver:
         req.set_extend_range(len(req.prefix_indices), req.kv_committed_len)
         maybe_cache_unfinished_req(req, self.cache)
 
-    def prepare_decode(self, reqs: list) -> tuple[Tensor, Tensor, list[PassResult | None]]:
-        """Returns ``(out_slots, positions, passes)`` for one decode step of ``reqs``."""
+    def schedule_batch(self, reqs: list):
+        """The ``ScheduleBatch`` SGLang's scheduler holds for a decode step of ``reqs``,
+        before ``prepare_for_decode`` (lengths on the pool's device, ``seq_lens_cpu``
+        on the host)."""
         from types import SimpleNamespace
 
         from sglang.srt.managers.schedule_batch import ScheduleBatch
-        from sglang.srt.mem_cache.allocation import alloc_for_decode
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         model_config = SimpleNamespace(vocab_size=1 << 20, is_encoder_decoder=False)
@@ -202,6 +203,13 @@ class MemoryDriver:
         batch.seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
         batch.seq_lens_cpu = torch.tensor(lens, dtype=torch.int64)
         batch.orig_seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        return batch
+
+    def prepare_decode(self, reqs: list) -> tuple[Tensor, Tensor, list[PassResult | None]]:
+        """Returns ``(out_slots, positions, passes)`` for one decode step of ``reqs``."""
+        from sglang.srt.mem_cache.allocation import alloc_for_decode
+
+        batch = self.schedule_batch(reqs)
         manager = self.evictor
         done = {} if manager is None else {r.rid: r for r in compact_decode_batch(manager, batch)}
         passes: list[PassResult | None] = [done.get(req.rid) for req in reqs]
