@@ -220,6 +220,13 @@ def _use_triton_interpreter_without_gpu() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _demo_model(args: argparse.Namespace) -> int:
+    from sglang_evict.engine_model import ensure_engine_model
+
+    print(ensure_engine_model(args.out))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from sglang_evict.demo import run
 
@@ -361,20 +368,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="generate on CPU through SGLang's memory classes with eviction; show the memory",
-        description="Greedy generation on CPU with a small random-weight Llama-architecture "
-        "model (built from a seed) whose attention reads and writes SGLang's real paged KV "
-        "pool, with the radix cache on and the plugin evicting and compacting as it does in "
-        "a server. Prints each pass and, at the end, the peak KV held vs a full cache.",
+        help="SGLang's real engine with and without eviction, side by side; KV held and a plot",
+        description="Start SGLang's real engine twice (on a machine without a GPU, on the "
+        "CPU) on a small model built offline: once with the plugin evicting and compacting, "
+        "once plain. Both generate the same requests; prints the KV held per request and in "
+        "total from SGLang's own decode log, the passes and pages freed, and writes a plot "
+        "of KV held per decode step.",
     )
     demo.add_argument("--requests", type=int, default=4, help="concurrent requests")
     demo.add_argument("--prompt-tokens", type=int, default=64)
-    demo.add_argument("--new-tokens", type=int, default=512)
+    demo.add_argument("--new-tokens", type=int, default=1024)
     demo.add_argument("--page-size", type=int, default=16, help="KV page size")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--plot", default="sglang-evict-demo.png", help="where the PNG goes")
+    demo.add_argument(
+        "--model", default=None, help="model folder (default: built once into ~/.cache)"
+    )
+    demo.add_argument("--log-dir", default=None, help="where the engines' logs go (default: .)")
     _add_policy_flags(demo, default_budget=256)
     _add_compactor_flags(demo)
     demo.set_defaults(handler=_demo)
+    demo_model = commands.add_parser(
+        "demo-model",
+        help="build the demo's small model + tokenizer offline; print its folder",
+        description="Write the small Llama-architecture checkpoint and byte-level BPE "
+        "tokenizer the project builds offline (deterministic, float32; random weights) and "
+        "print the folder, for `sglang-evict serve --model-path ...` on CPU.",
+    )
+    demo_model.add_argument("--out", default=None, help="folder (default: ~/.cache/...)")
+    demo_model.set_defaults(handler=_demo_model)
 
     serve = commands.add_parser(
         "serve",

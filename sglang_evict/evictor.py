@@ -214,6 +214,10 @@ class EvictionManager:
         state = self.states.get(rid)
         return kv_len if state is None else state.intact_prefix_len(kv_len)
 
+    def num_tracked_requests(self) -> int:
+        """Requests with eviction state (none once every request has finished)."""
+        return len(self.states)
+
     def needs_pass(self, kv_len: int) -> bool:
         return kv_len >= self.config.trigger_tokens
 

@@ -12,6 +12,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from torch import Tensor
 
 from sglang_evict.config import EvictionConfig
+from sglang_evict.srt.introspection import PassTotals
 from sglang_evict.srt.manager import make_manager
 from sglang_evict.srt.pools import free_slots
 from sglang_evict.srt.server_args import config_from_env, unsupported_server_args
@@ -25,6 +26,7 @@ class _Active:
 
     manager = None
     metrics = None
+    totals = PassTotals()
 
 
 class EvictingRadixCache(RadixCache):

@@ -9,6 +9,7 @@ import torch
 
 from sglang_evict.evictor import EvictionManager, PassResult
 from sglang_evict.srt.backend import EvictingRadixCache, _Active
+from sglang_evict.srt.introspection import log_pass, log_passes_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +74,16 @@ def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
     _wait_for_inflight_forward(batch.seq_lens.device)
     shrink = torch.zeros(len(reqs), dtype=torch.int64)
     results = []
+    log_lines = log_passes_enabled()
+    free_slots_before = manager.pool.allocator.available_size() if log_lines else 0
+    logged = []
     for i in due:
         try:
             result = run_pass_for_req(manager, reqs[i])
         except (ValueError, RuntimeError) as error:
             # Validation failed before any byte moved: serve on with the full KV.
             logger.error("sglang-evict: pass for request %s failed: %s", reqs[i].rid, error)
+            _Active.totals.pass_failures += 1
             if _Active.metrics is not None:
                 _Active.metrics.record_failure(manager.config.compaction)
             continue
@@ -86,10 +91,22 @@ def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
             continue
         shrink[i] = result.tokens_evicted
         results.append(result)
+        if log_lines:
+            logged.append(
+                {
+                    "rid": reqs[i].rid,
+                    "tokens_before": result.tokens_before,
+                    "tokens_after": result.tokens_after,
+                    "pages_freed": result.pages_freed,
+                }
+            )
         if _Active.metrics is not None:
             _Active.metrics.record(result, manager.config.kv_budget_tokens)
     if _Active.metrics is not None:
         _Active.metrics.record_compactor(manager.compactor)
+    _Active.totals.add(results)
+    if logged:
+        log_pass(logged, free_slots_before, manager.pool.allocator.available_size())
     if results:
         # New tensors of the same device and dtype (orig_seq_lens is int32).
         for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
