@@ -17,11 +17,15 @@ Every number a client controls is bounded before work proportional to it starts:
 * client-supplied text (ids, paths, lease names) is shown clipped (``clip``) in every
   error and log line.
 
-Defaults (flags of ``python -m compactor_service``): a pass carries one plan per request
-due in that decode step, and SGLang's batches stay below 1024 running requests in the
-configurations the plugin supports, hence 1024 plans; a plan carries at most its
-request's row twice (new row and positions) plus its moves, 16 bytes per kept token
-and 16 per move, so 64 MiB holds e.g. 256 requests of 16k kept tokens.
+Defaults (flags of ``python -m compactor_service``), from the wire format: a plan
+costs 16 bytes per kept token (new row and positions) and 16 per move (source and
+destination), so 64 MiB holds e.g. 128 requests of 16k kept tokens and as many moves
+(128 x 16k x 32 B), and 4M moves fill it (64 MiB / 16 B). A pass carries one plan per
+request due at that step (requests come due at their own budget + cadence), so 1024
+plans leave room for a whole batch coming due together; a larger batch is split by the
+client. A scheduler process (one per tensor-parallel rank) registers one pool, hence 4
+per client id and 64 in all. A registration lives 60 s without a call: heartbeats come
+every 20 s, so two can be missed.
 """
 
 from __future__ import annotations

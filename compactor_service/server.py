@@ -100,13 +100,14 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     return parser
 
 
-def _number(text: str, flag: str, kind: type, minimum: float):
+def _number(text: str, flag: str, kind: type, minimum: float, maximum: float = float("inf")):
     try:
         value = kind(text)
     except (TypeError, ValueError):
         raise ValueError(f"{flag} takes a number, got {text!r:.40}") from None
-    if not value >= minimum:
-        raise ValueError(f"{flag} must be >= {minimum}, got {text!r:.40}")
+    if not minimum <= value <= maximum:
+        allowed = f"[{minimum}, {maximum}]" if maximum < float("inf") else f">= {minimum}"
+        raise ValueError(f"{flag} must be {allowed}, got {text!r:.40}")
     return value
 
 
@@ -160,7 +161,8 @@ class ServerOptions:
             except ValueError:
                 raise ValueError("--fault-injection takes SEED:PROBABILITY, e.g. 7:0.5") from None
         limits = ServerLimits(
-            max_message_bytes=_number(args.max_message_mb, "--max-message-mb", int, 1) << 20,
+            # gRPC takes the size as a C int: at most 2 GiB - 1.
+            max_message_bytes=_number(args.max_message_mb, "--max-message-mb", int, 1, 2047) << 20,
             max_plans_per_call=_number(args.max_plans_per_call, "--max-plans-per-call", int, 1),
             max_moves_per_call=_number(args.max_moves_per_call, "--max-moves-per-call", int, 1),
             max_inflight_per_pool=_number(
