@@ -125,3 +125,15 @@ def make_pool(directory: str | None = None, seed: int = 0):
     for buffer in shared.k + shared.v:
         buffer.copy_(torch.randn(buffer.shape, generator=generator))
     return shared
+
+
+def leased_compactor(workdir: Path, redis_url: str, *extra: str) -> tuple[CompactorProcess, str]:
+    """A started compactor checking leases in ``redis_url`` under a fresh namespace
+    (the URL reaches it through the environment, as in production)."""
+    import uuid
+
+    namespace = uuid.uuid4().hex
+    process = CompactorProcess(
+        workdir, "--lease-namespace", namespace, *extra, env={"SGLANG_EVICT_REDIS_URL": redis_url}
+    )
+    return process.start(), namespace

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import random
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from compactor_service.runtime_dir import DEFAULT_POOL_DIR
 from compactor_service.v1 import compactor_pb2 as pb
 from compactor_service.wire import layout_to_proto, plan_to_proto
 from sglang_evict.planner import plan_compaction
-from tests.compactor_process import CompactorProcess, call, make_pool
+from tests.compactor_process import call, leased_compactor, make_pool
 from tests.test_compactor_service import LAYERS, PAGE, SLOTS, two_request_plans
 
 CASES = int(os.environ.get("SGLANG_EVICT_FUZZ_CASES", "1000"))
@@ -56,17 +55,11 @@ class Target:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, redis_server):
-    namespace = uuid.uuid4().hex
-    process = CompactorProcess(
+    process, namespace = leased_compactor(
         tmp_path_factory.mktemp("fuzz"),
-        "--lease-namespace",
-        namespace,
-        "--max-plans-per-call",
-        str(MAX_PLANS),
-        "--max-moves-per-call",
-        str(MAX_MOVES),
-        env={"SGLANG_EVICT_REDIS_URL": redis_server.url},
-    ).start()
+        redis_server.url,
+        *("--max-plans-per-call", str(MAX_PLANS), "--max-moves-per-call", str(MAX_MOVES)),
+    )
     shared = make_pool(seed=1)
     layout = layout_to_proto(shared.layout)
     code, details, reply = call(

@@ -3,8 +3,6 @@ with what the client sent (a 1 MB pool id, a 100 KB lease name)."""
 
 from __future__ import annotations
 
-import uuid
-
 import grpc
 import pytest
 
@@ -13,7 +11,7 @@ from compactor_service.redis_leases import RedisLeaseStore
 from compactor_service.runtime_dir import DEFAULT_POOL_DIR
 from compactor_service.v1 import compactor_pb2 as pb
 from compactor_service.wire import layout_to_proto, plan_to_proto
-from tests.compactor_process import CompactorProcess, call, make_pool
+from tests.compactor_process import call, leased_compactor, make_pool
 from tests.test_compactor_fuzz import MAX_LOG_LINE_CHARS
 from tests.test_compactor_service import two_request_plans
 
@@ -22,13 +20,7 @@ HUGE = "p" * (1 << 20)
 
 @pytest.fixture(scope="module")
 def registered(tmp_path_factory, redis_server):
-    namespace = uuid.uuid4().hex
-    process = CompactorProcess(
-        tmp_path_factory.mktemp("statuses"),
-        "--lease-namespace",
-        namespace,
-        env={"SGLANG_EVICT_REDIS_URL": redis_server.url},
-    ).start()
+    process, namespace = leased_compactor(tmp_path_factory.mktemp("statuses"), redis_server.url)
     shared = make_pool()
     layout = layout_to_proto(shared.layout)
     _, _, reply = call(process.target, "RegisterPool", pb.RegisterPoolRequest(layout=layout))
