@@ -161,9 +161,9 @@ class EvictionConfig:
         object.__setattr__(self, "_scorer", build_scorer(self.scorer, self.scorer_params))
 
     def _check_compactor_transport(self) -> None:
-        from compactor_service.tls import parse_tcp_address
-
         if self.compactor_address is not None:
+            from compactor_service.tls import parse_tcp_address
+
             parse_tcp_address(self.compactor_address, "--kv-compactor-address")
         tls = (self.compactor_tls_ca, self.compactor_tls_cert, self.compactor_tls_key)
         if any(tls) and self.compactor_address is None:
