@@ -74,6 +74,8 @@ def _add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | Non
 
 def _add_compactor_flags(parser: argparse.ArgumentParser) -> None:
     """Where passes copy KV (in-process or the sidecar) and where leases live."""
+    from compactor_service.runtime_dir import DEFAULT_POOL_DIR
+
     parser.add_argument(
         "--kv-compactor",
         default="inprocess",
@@ -89,6 +91,19 @@ def _add_compactor_flags(parser: argparse.ArgumentParser) -> None:
         "passes while it is down",
     )
     parser.add_argument("--kv-compactor-timeout-ms", type=int, default=1000)
+    parser.add_argument(
+        "--kv-compactor-pool-dir",
+        default=DEFAULT_POOL_DIR,
+        help="private directory of CPU pool files; the compactor's --pool-dir",
+    )
+    parser.add_argument(
+        "--kv-compactor-address", default=None, help="HOST:PORT of a TCP compactor (--tcp)"
+    )
+    parser.add_argument(
+        "--kv-compactor-tls-ca", default=None, help="CA of the TCP compactor's certificate"
+    )
+    parser.add_argument("--kv-compactor-tls-cert", default=None, help="client cert (mTLS)")
+    parser.add_argument("--kv-compactor-tls-key", default=None, help="client key (mTLS)")
     parser.add_argument(
         "--kv-lease-store",
         default="inprocess",
@@ -111,6 +126,11 @@ def _compactor_fields(args: argparse.Namespace) -> dict:
         compactor_socket=args.kv_compactor_socket,
         compactor_fallback=args.kv_compactor_fallback,
         compactor_timeout_ms=args.kv_compactor_timeout_ms,
+        shm_dir=args.kv_compactor_pool_dir,
+        compactor_address=args.kv_compactor_address,
+        compactor_tls_ca=args.kv_compactor_tls_ca,
+        compactor_tls_cert=args.kv_compactor_tls_cert,
+        compactor_tls_key=args.kv_compactor_tls_key,
         lease_store=args.kv_lease_store,
         redis_url=args.kv_redis_url,
         lease_namespace=args.kv_lease_namespace,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from compactor_service.runtime_dir import DEFAULT_POOL_DIR, DEFAULT_SOCKET
 from sglang_evict.planner import STRATEGIES as COMPACTION_STRATEGIES  # one definition
 
 # Ranges a config must stay inside; errors quote them.
@@ -60,12 +61,21 @@ class EvictionConfig:
             for scorers that read queries (``window``, ``rkv``).
         compactor: ``inprocess`` (the embedded default) or ``grpc`` (the sidecar at
             ``compactor_socket``; ``--kv-compactor``).
-        compactor_socket: the sidecar's Unix socket (``--kv-compactor-socket``).
+        compactor_socket: the sidecar's Unix socket (``--kv-compactor-socket``; default
+            ``compactor_service.health.DEFAULT_SOCKET``, the compactor's own default).
+        compactor_address: ``HOST:PORT`` of a sidecar listening on TCP instead
+            (``--kv-compactor-address``).
+        compactor_tls_ca, compactor_tls_cert, compactor_tls_key: TLS to a TCP sidecar:
+            the CA of its certificate and, for mutual TLS, this scheduler's certificate
+            and key (``--kv-compactor-tls-ca/-cert/-key``, PEM files).
         compactor_fallback: ``inprocess`` or ``skip``: what a pass does when the sidecar
             cannot serve it (``--kv-compactor-fallback``; see
             ``compactor_service.client``).
         compactor_timeout_ms: deadline of one Compact call (``--kv-compactor-timeout-ms``).
-        shm_dir: tmpfs directory for a CPU pool shared with the sidecar.
+        shm_dir: the pool directory a CPU pool shared with the sidecar is created in; the
+            sidecar maps pool files from its own ``--pool-dir`` only, so both must name
+            the same private directory (``--kv-compactor-pool-dir``; default
+            ``/dev/shm/sglang-evict-<uid>``, see ``compactor_service.runtime_dir``).
         lease_store: ``inprocess`` (default), ``redis`` (``redis_url``) or ``none``: where
             pass leases and shared-page pins live (``--kv-lease-store``).
         redis_url: ``redis://host:port/db`` of the Redis lease store (``--kv-redis-url``).
@@ -90,10 +100,14 @@ class EvictionConfig:
     page_size: int = 1
     query_window_tokens: int = 32
     compactor: str = "inprocess"
-    compactor_socket: str = "/tmp/sglang-evict/compactor.sock"
+    compactor_socket: str = DEFAULT_SOCKET
+    compactor_address: str | None = None
+    compactor_tls_ca: str | None = None
+    compactor_tls_cert: str | None = None
+    compactor_tls_key: str | None = None
     compactor_fallback: str = "inprocess"
     compactor_timeout_ms: int = 1000
-    shm_dir: str = "/dev/shm"
+    shm_dir: str = DEFAULT_POOL_DIR
     lease_store: str = "inprocess"
     redis_url: str | None = None
     lease_ttl_ms: int = 5000
@@ -130,6 +144,7 @@ class EvictionConfig:
             if value not in known:
                 raise ValueError(f"unknown {name} {value!r}; known: {list(known)}")
         _require_int("compactor_timeout_ms", self.compactor_timeout_ms, 1)
+        self._check_compactor_transport()
         _require_int("lease_ttl_ms", self.lease_ttl_ms, 1)
         if self.lease_store == "redis" and not self.redis_url:
             raise ValueError(
@@ -144,6 +159,24 @@ class EvictionConfig:
         from sglang_evict.scorers import build_scorer
 
         object.__setattr__(self, "_scorer", build_scorer(self.scorer, self.scorer_params))
+
+    def _check_compactor_transport(self) -> None:
+        if self.compactor_address is not None:
+            from compactor_service.tls import parse_tcp_address
+
+            parse_tcp_address(self.compactor_address, "--kv-compactor-address")
+        tls = (self.compactor_tls_ca, self.compactor_tls_cert, self.compactor_tls_key)
+        if any(tls) and self.compactor_address is None:
+            raise ValueError(
+                "--kv-compactor-tls-* apply to a TCP compactor: add --kv-compactor-address"
+            )
+        if (self.compactor_tls_cert or self.compactor_tls_key) and not self.compactor_tls_ca:
+            raise ValueError(
+                "--kv-compactor-tls-cert/-key need --kv-compactor-tls-ca (the CA of the "
+                "compactor's certificate)"
+            )
+        if bool(self.compactor_tls_cert) != bool(self.compactor_tls_key):
+            raise ValueError("--kv-compactor-tls-cert and --kv-compactor-tls-key go together")
 
     def to_json(self) -> str:
         """The policy as the JSON object ``sglang-evict serve`` hands to SGLang's processes
