@@ -12,12 +12,14 @@ cadence_tokens``; afterwards the request holds at most ``kv_budget_tokens`` toke
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from compactor_service.runtime_dir import DEFAULT_POOL_DIR, DEFAULT_SOCKET
+from compactor_service.secrets import check_redis_url, redact_url
 from sglang_evict.planner import STRATEGIES as COMPACTION_STRATEGIES  # one definition
 
 # Ranges a config must stay inside; errors quote them.
@@ -26,6 +28,11 @@ MAX_PAGE_SIZE = 1 << 12
 COMPACTORS = ("inprocess", "grpc")
 COMPACTOR_FALLBACKS = ("inprocess", "skip")  # compactor_service.client.FALLBACK_MODES
 LEASE_STORES = ("inprocess", "redis", "none")
+# The best calibration-free scorer a server runs, by step accuracy at the largest
+# evicting budget of the committed quality results (benches/quality/results): streaming
+# 0.49, random 0.41, knorm 0.06 at 50 %. tests/test_cli_default_scorer.py derives it
+# from that file (``sglang_evict.quality.report.best_scorer``) and fails when they differ.
+DEFAULT_SCORER = "streaming"
 
 
 def _require_int(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -78,7 +85,9 @@ class EvictionConfig:
             ``/dev/shm/sglang-evict-<uid>``, see ``compactor_service.runtime_dir``).
         lease_store: ``inprocess`` (default), ``redis`` (``redis_url``) or ``none``: where
             pass leases and shared-page pins live (``--kv-lease-store``).
-        redis_url: ``redis://host:port/db`` of the Redis lease store (``--kv-redis-url``).
+        redis_url: ``redis://[:password@]host:port/db`` of the Redis lease store
+            (``--kv-redis-url``, ``--kv-redis-url-file`` or ``$SGLANG_EVICT_REDIS_URL``);
+            a secret: the repr redacts it and ``to_json`` leaves it out.
         lease_ttl_ms: TTL of a pass's exclusive lease.
         lease_namespace: key namespace in the Redis store; schedulers sharing one Redis
             need distinct namespaces (page numbers are per pool) and their compactor
@@ -93,7 +102,7 @@ class EvictionConfig:
     sink_tokens: int = 4
     protected_tokens: int = 0
     window_tokens: int = 128
-    scorer: str = "knorm"
+    scorer: str = DEFAULT_SCORER
     scorer_params: Mapping[str, Any] = field(default_factory=dict)
     evict_prompt: bool = False
     compaction: str = "hole_fill"
@@ -148,8 +157,13 @@ class EvictionConfig:
         _require_int("lease_ttl_ms", self.lease_ttl_ms, 1)
         if self.lease_store == "redis" and not self.redis_url:
             raise ValueError(
-                "lease_store 'redis' needs a URL: pass --kv-redis-url redis://HOST:PORT"
+                "lease_store 'redis' needs a URL: set $SGLANG_EVICT_REDIS_URL or pass "
+                "--kv-redis-url-file FILE (or --kv-redis-url redis://HOST:PORT)"
             )
+        if self.redis_url is not None:
+            if not isinstance(self.redis_url, str):
+                raise ValueError(f"redis_url must be a string, got {type(self.redis_url)}")
+            check_redis_url(self.redis_url, "redis_url")
         if not isinstance(self.scorer_params, Mapping):
             raise ValueError(f"scorer_params must be a mapping, got {type(self.scorer_params)}")
         # Freeze the parameters too: a frozen dataclass holding a mutable dict is not frozen.
@@ -178,15 +192,24 @@ class EvictionConfig:
         if bool(self.compactor_tls_cert) != bool(self.compactor_tls_key):
             raise ValueError("--kv-compactor-tls-cert and --kv-compactor-tls-key go together")
 
+    def __repr__(self) -> str:
+        """The fields, with the Redis URL's password redacted."""
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
+        shown["scorer_params"] = dict(self.scorer_params)
+        shown["redis_url"] = redact_url(self.redis_url)
+        return f"EvictionConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
     def to_json(self) -> str:
         """The policy as the JSON object ``sglang-evict serve`` hands to SGLang's processes
-        (page size excluded: each process takes it from its engine)."""
+        (``SGLANG_EVICT_CONFIG``). Page size is left out (each process takes it from its
+        engine), and so is the Redis URL, a secret that travels in its own variable,
+        ``$SGLANG_EVICT_REDIS_URL``, and is never printed."""
         import json
 
         fields = {
             name: getattr(self, name)
             for name, spec in self.__dataclass_fields__.items()
-            if spec.init and name != "page_size"
+            if spec.init and name not in ("page_size", "redis_url")
         }
         fields["scorer_params"] = dict(self.scorer_params)
         return json.dumps(fields, sort_keys=True)

@@ -61,7 +61,7 @@ HTTP_SERVER = textwrap.dedent(
 
 
 def test_pass_metrics_appear_on_sglangs_metrics_route(tmp_path):
-    policy = {"kv_budget_tokens": 48, "cadence_tokens": 16, "window_tokens": 16}
+    policy = {"kv_budget_tokens": 48, "cadence_tokens": 16, "window_tokens": 16, "scorer": "knorm"}
     env = {
         **os.environ,
         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
