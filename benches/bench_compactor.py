@@ -31,8 +31,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
 
 from compactor_service.client import GrpcCompactor  # noqa: E402
 from compactor_service.compactor import InProcessCompactor  # noqa: E402
+from compactor_service.cuda_ipc import export_cuda_buffers  # noqa: E402
 from compactor_service.health import check_health, socket_target  # noqa: E402
-from compactor_service.shared_pool import create_shared_buffers, export_cuda_buffers  # noqa: E402
+from compactor_service.shared_pool import create_shared_buffers  # noqa: E402
 from sglang_evict.planner import plan_compaction  # noqa: E402
 
 
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     num_slots = (num_pages + 1) * args.page_size
     shape = (num_slots, args.kv_heads, args.head_dim)
     shared = None
+    pool_dir = tempfile.mkdtemp(prefix="bench-pools-")  # private (0700): the compactor's
     if args.device == "cpu":
         shared = create_shared_buffers(
             num_layers=args.layers,
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             head_dim=args.head_dim,
             dtype=torch.bfloat16,
             page_size=args.page_size,
+            directory=pool_dir,
         )
         k, v, layout = shared.k, shared.v, shared.layout
     else:
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 "compactor_service",
                 "--socket",
                 str(sock),
+                "--pool-dir",
+                pool_dir,
                 "--log-level",
                 "warning",
             ],
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             server.wait(30)
             if shared is not None:
                 shared.close()
+            Path(pool_dir).rmdir()
     print(f"{'compactor':<12} {'p50 ms':>9} {'p99 ms':>9}")
     for name, values in times.items():
         print(f"{name:<12} {percentile(values, 0.5):>9.3f} {percentile(values, 0.99):>9.3f}")

@@ -3,7 +3,8 @@
 Both implement the ``Compactor`` protocol, so the eviction manager does not know which
 compactor it talks to. A pass is two-phase: ``compact`` returns only after the moves
 landed, and only then does the caller commit rows and free pages. If the sidecar dies,
-times out or restarted (unknown pool, stale epoch), ``GrpcCompactor`` raises
+times out, restarted or dropped the registration (unknown pool, stale epoch),
+``GrpcCompactor`` re-registers once, else raises
 ``CompactorUnavailable``: the committed rows still hold every survivor intact (the
 planner's invariant 3: no move writes a slot the committed row still needs; moves are
 independent and idempotent), so ``FallbackCompactor`` completes the very same plans
@@ -36,6 +37,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -43,6 +45,7 @@ from compactor_service.compactor import Compactor, CompactResult, LeaseClaim, Le
 from compactor_service.health import check_health
 from compactor_service.plan import CompactionPlan, PlanError
 from compactor_service.shared_pool import PoolLayout
+from compactor_service.tls import open_channel
 from compactor_service.v1 import compactor_pb2 as pb
 from compactor_service.v1 import compactor_pb2_grpc as pb_grpc
 from compactor_service.wire import claim_to_proto, layout_to_proto, plan_to_proto
@@ -61,11 +64,68 @@ class CompactionSkipped(RuntimeError):
     move, the requests keep their full KV."""
 
 
+# Statuses of RegisterPool that say the pool itself is refused (a configuration problem:
+# retrying will not help), as opposed to the compactor being unreachable.
+_POOL_REFUSED = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
+# The sidecar is local and a supervised one restarts in milliseconds: reconnect within
+# 0.1-1 s instead of gRPC's default backoff (1 s growing to 120 s). The compactor bounds
+# message sizes itself (and says how at registration).
+_CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", -1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+# Headroom of a Compact message over its plans' own sizes (pool id, claim, framing).
+_REQUEST_OVERHEAD_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """What the compactor accepts per call (it says so at registration)."""
+
+    max_plans_per_call: int
+    max_moves_per_call: int
+    max_message_bytes: int
+    lease_s: float
+
+
+def split_batch(plans: Sequence[pb.Plan], limits: CallLimits) -> list[list[pb.Plan]]:
+    """``plans`` in consecutive calls that each stay within ``limits``. Splitting is
+    safe: plans of one pass are independent and each call is validated on its own; a
+    single plan over a bound is sent alone (the compactor refuses it, and the pass is
+    completed in-process)."""
+    chunks: list[list[pb.Plan]] = [[]]
+    moves = size = 0
+    for plan in plans:
+        plan_moves, plan_size = len(plan.src_slots_le64) // 8, plan.ByteSize() + 16
+        chunk = chunks[-1]
+        if chunk and (
+            len(chunk) >= limits.max_plans_per_call
+            or moves + plan_moves > limits.max_moves_per_call
+            or size + plan_size + _REQUEST_OVERHEAD_BYTES > limits.max_message_bytes
+        ):
+            chunks.append([])
+            moves = size = 0
+        chunks[-1].append(plan)
+        moves += plan_moves
+        size += plan_size
+    return chunks
+
+
 class GrpcCompactor:
     """Sends passes to the sidecar at ``target`` over the pool described by ``layout``.
 
-    Registers the pool on first use and again after the sidecar restarted (a refused
-    call moved nothing, so it is retried once after re-registering).
+    Registers the pool on first use and again after the sidecar restarted or the
+    registration expired (a refused call moved nothing, so it is retried once after
+    re-registering). While registered, a daemon thread renews the registration's lease
+    (``Heartbeat``, every third of the lease) so an idle scheduler keeps its pool.
+    ``credentials``: TLS for a TCP target (``tls.channel_credentials``).
     """
 
     def __init__(
@@ -76,6 +136,7 @@ class GrpcCompactor:
         timeout_s: float = 1.0,
         register_timeout_s: float = 10.0,
         client_id: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         from opentelemetry.instrumentation.grpc import client_interceptor
         from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
@@ -84,15 +145,18 @@ class GrpcCompactor:
         self.layout = layout
         self.timeout_s = timeout_s
         self.register_timeout_s = register_timeout_s
-        # "<name>:<host>:<pid>": the compactor reaps the pools of exited clients on its host.
         self.client_id = client_id or f"scheduler:{socket.gethostname()}:{os.getpid()}"
+        self.credentials = credentials
         # The instrumentation carries the W3C traceparent in the call's metadata.
-        self._raw_channel = grpc.insecure_channel(target)
+        self._raw_channel = open_channel(target, credentials, options=_CHANNEL_OPTIONS)
         self._channel = intercept_channel(self._raw_channel, client_interceptor())
         self._stub = pb_grpc.CompactorStub(self._channel)
         self.pool_id: str | None = None
         self.epoch: int | None = None
+        self.limits: CallLimits | None = None
         self._layout_proto = layout_to_proto(layout)
+        self._closed = threading.Event()
+        self._heartbeat: threading.Thread | None = None
 
     def register(self) -> tuple[str, int]:
         try:
@@ -101,34 +165,68 @@ class GrpcCompactor:
                 timeout=self.register_timeout_s,
             )
         except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(f"the compactor refused the pool: {error.details()}") from None
+            if error.code() in _POOL_REFUSED:
+                raise ValueError(
+                    f"the compactor refused the pool ({error.code().name}): {error.details()}"
+                ) from None
             raise CompactorUnavailable(
                 f"cannot register the KV pool with the compactor at {self.target}: "
                 f"{error.code().name} {error.details()}"
             ) from None
         self.pool_id, self.epoch = reply.pool_id, reply.epoch
+        self.limits = CallLimits(
+            max_plans_per_call=max(1, reply.limits.max_plans_per_call),
+            max_moves_per_call=max(1, reply.limits.max_moves_per_call),
+            max_message_bytes=max(1, reply.limits.max_message_bytes),
+            lease_s=reply.limits.lease_ms / 1000,
+        )
         logger.info("KV pool registered with the compactor", extra={"epoch": reply.epoch})
+        if self._heartbeat is None and self.limits.lease_s > 0:
+            self._heartbeat = threading.Thread(
+                target=self._beat, daemon=True, name="compactor-heartbeat"
+            )
+            self._heartbeat.start()
         return self.pool_id, self.epoch
+
+    def _beat(self) -> None:
+        """Renew the registration every third of its lease until ``close``. A failed
+        beat changes nothing: the next pass re-registers if the pool is gone."""
+        while not self._closed.wait(self.limits.lease_s / 3):
+            pool_id, epoch = self.pool_id, self.epoch
+            if pool_id is None:
+                continue
+            try:
+                self._stub.Heartbeat(
+                    pb.HeartbeatRequest(pool_id=pool_id, epoch=epoch), timeout=self.timeout_s
+                )
+            except grpc.RpcError:
+                pass
 
     def compact(
         self, plans: Sequence[CompactionPlan], claim: LeaseClaim | None = None
     ) -> CompactResult:
         if self.pool_id is None:
             self.register()
+        messages = [plan_to_proto(p) for p in plans]
+        results = [self._compact_call(chunk, claim) for chunk in split_batch(messages, self.limits)]
+        return CompactResult(
+            slots_moved=sum(r.slots_moved for r in results),
+            bytes_moved=sum(r.bytes_moved for r in results),
+            duration_s=sum(r.duration_s for r in results),
+            kernel=results[0].kernel,
+        )
+
+    def _compact_call(self, plans: list[pb.Plan], claim: LeaseClaim | None) -> CompactResult:
         for attempt in (0, 1):
             request = pb.CompactRequest(
-                pool_id=self.pool_id,
-                epoch=self.epoch,
-                claim=claim_to_proto(claim),
-                plans=[plan_to_proto(p) for p in plans],
+                pool_id=self.pool_id, epoch=self.epoch, claim=claim_to_proto(claim), plans=plans
             )
             try:
                 reply = self._stub.Compact(request, timeout=self.timeout_s)
             except grpc.RpcError as error:
                 code = error.code()
                 if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
-                    # Restarted compactor or replaced registration: nothing moved.
+                    # Restarted compactor, expired or replaced registration: nothing moved.
                     self.pool_id = None
                     if attempt == 0:
                         self.register()
@@ -150,16 +248,17 @@ class GrpcCompactor:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def healthy(self, timeout_s: float = 0.5) -> bool:
-        return check_health(self.target, timeout_s=timeout_s)
+        return check_health(self.target, timeout_s=timeout_s, credentials=self.credentials)
 
     def close(self) -> None:
+        self._closed.set()
         if self.pool_id is not None:
             try:
                 self._stub.UnregisterPool(
                     pb.UnregisterPoolRequest(pool_id=self.pool_id, epoch=self.epoch), timeout=1.0
                 )
             except grpc.RpcError:
-                pass  # the compactor reaps pools of exited clients anyway
+                pass  # the registration expires anyway
         self._raw_channel.close()
 
 

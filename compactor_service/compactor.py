@@ -22,6 +22,7 @@ from torch import Tensor
 
 from compactor_service import tracing
 from compactor_service.leases import LeaseStore
+from compactor_service.limits import clip
 from compactor_service.plan import CompactionPlan, PlanError
 from sglang_evict_kernels import repack_kv_reference, repack_kv_triton
 
@@ -63,7 +64,7 @@ def _no_fault(point: str) -> None:
 @dataclass(frozen=True)
 class LeaseClaim:
     """Who asks: the exclusive lease the pass holds (``resource``, fencing ``token``) and
-    the holder name under which it pins its own shared pages."""
+    the scheduler's holder name (for logs: pins block every pass, whoever holds them)."""
 
     resource: str
     token: int
@@ -79,13 +80,34 @@ class Compactor(Protocol):
         ...
 
 
-def validate_batch(plans: Sequence[CompactionPlan], num_slots: int) -> tuple[Tensor, Tensor]:
+def _pages(slots: Tensor, page_size: int) -> Tensor:
+    return torch.div(slots, page_size, rounding_mode="floor")
+
+
+def _overlap(a: Tensor, b: Tensor) -> list[int]:
+    return a[torch.isin(a, b)][:8].tolist()
+
+
+def validate_batch(
+    plans: Sequence[CompactionPlan],
+    num_slots: int,
+    still_wanted: Callable[[], bool] | None = None,
+) -> tuple[Tensor, Tensor]:
     """Validate each plan and the batch; return the concatenated ``(src, dst)`` slots.
 
-    Across plans no slot may be written twice or both read and written: requests never
-    share private slots, so such an overlap means two plans disagree about ownership.
+    Plans of one pass own disjoint private slots, so across plans: no slot is written or
+    read twice, none is both read and written, no plan reads a slot another row keeps, no
+    page is freed or claimed twice or freed while a row uses it, and a page that several
+    rows hold (a shared prefix) is frozen: nobody reads, writes, frees or claims it.
+    ``still_wanted`` is asked between plans: once it is false the validation stops
+    (``PassAbandoned``), so a caller that gave up costs no further work.
     """
     for index, plan in enumerate(plans):
+        if still_wanted is not None and not still_wanted():
+            raise PassAbandoned(
+                f"the caller stopped waiting while plan {index} of {len(plans)} was being "
+                f"checked: nothing moved"
+            )
         try:
             plan.validate_structure(num_slots=num_slots)
         except PlanError as error:
@@ -93,15 +115,38 @@ def validate_batch(plans: Sequence[CompactionPlan], num_slots: int) -> tuple[Ten
     if not plans:
         empty = torch.zeros(0, dtype=torch.int64)
         return empty, empty
+    page_size = plans[0].page_size
+    if any(p.page_size != page_size for p in plans):
+        raise PlanError("plans of one batch differ in page_size")
     src = torch.cat([p.src_slots for p in plans])
     dst = torch.cat([p.dst_slots for p in plans])
-    if torch.unique(dst).numel() != dst.numel():
-        raise PlanError("two plans of one batch write the same slot")
-    if torch.isin(dst, src).any():
-        raise PlanError("a slot is read by one plan and written by another")
     rows = torch.cat([p.new_row for p in plans])
-    if torch.unique(rows).numel() != rows.numel():
-        raise PlanError("two plans of one batch hold the same slot in their new rows")
+    freed = torch.cat([p.freed_pages for p in plans])
+    claimed = torch.cat([p.claimed_pages for p in plans])
+    for name, values in (
+        ("write", dst),
+        ("read", src),
+        ("free", freed),
+        ("claim", claimed),
+    ):
+        if torch.unique(values).numel() != values.numel():
+            raise PlanError(f"two plans of one batch {name} the same slot or page")
+    if torch.isin(dst, src).any():
+        raise PlanError(f"slots {_overlap(dst, src)} are read by one plan and written by another")
+    if torch.isin(src, rows).any():
+        raise PlanError(f"slots {_overlap(src, rows)} are read by one plan and kept by another")
+    row_pages = torch.cat([torch.unique(_pages(p.new_row, page_size)) for p in plans])
+    if torch.isin(freed, row_pages).any():
+        raise PlanError(f"pages {_overlap(freed, row_pages)} are freed while a row uses them")
+    unique_pages, counts = torch.unique(row_pages, return_counts=True)
+    shared = unique_pages[counts > 1]
+    if shared.numel():
+        touched = torch.cat([_pages(src, page_size), _pages(dst, page_size), claimed])
+        if torch.isin(touched, shared).any():
+            raise PlanError(
+                f"pages {_overlap(touched, shared)} are held by several rows of the batch "
+                f"(a shared prefix) and are read, written or claimed by a plan"
+            )
     return src, dst
 
 
@@ -166,7 +211,7 @@ class InProcessCompactor:
                             f"plan {index}: page_size {plan.page_size} != the pool's "
                             f"{self.page_size}"
                         )
-            src, dst = validate_batch(plans, self.num_slots)
+            src, dst = validate_batch(plans, self.num_slots, still_wanted)
         if self.leases is not None:
             with tracer.start_as_current_span(tracing.SPAN_LEASE_CHECK):
                 check_leases(self.leases, claim, src, dst, self.page_size)
@@ -206,15 +251,20 @@ def check_leases(
     leases: LeaseStore, claim: LeaseClaim | None, src: Tensor, dst: Tensor, page_size: int
 ) -> None:
     """Refuse (``LeaseRefused``) a batch whose claim is missing, stale or expired, or
-    that reads or writes a page another holder pins. Runs before any byte moves."""
+    that reads or writes a pinned page, whoever pins it: pins mark shared prefixes,
+    which no pass may move (the claim's holder name is the caller's word, so it grants
+    nothing). Runs before any byte moves."""
     if claim is None:
         raise LeaseRefused("this compactor checks leases: a pass must present its lease")
     if not leases.is_current(claim.resource, claim.token):
         raise LeaseRefused(
-            f"fencing token {claim.token} is not the current lease of {claim.resource!r} "
+            f"fencing token {claim.token} is not the current lease of {clip(claim.resource)} "
             f"(expired or superseded): nothing was moved"
         )
     pages = torch.unique(torch.cat([src, dst]) // page_size).tolist()
-    pinned = leases.pinned_by_others(pages, claim.holder)
+    pinned = leases.pinned(pages)
     if pinned:
-        raise LeaseRefused(f"pages {pinned[:8]} are pinned by other holders: nothing was moved")
+        raise LeaseRefused(
+            f"pages {pinned[:8]} are pinned (a shared prefix): no pass may move them; "
+            f"nothing was moved"
+        )

@@ -1,22 +1,28 @@
-"""The compactor's domain logic, transport-free: pools, epochs, validated passes.
+"""The compactor's domain logic, transport-free: pools, epochs, leases of registrations,
+validated passes.
 
-``CompactorEngine`` maps each registered pool once (shared-memory file or CUDA IPC
-handles, kept open for the pool's life) and applies batched passes to it:
-validate every plan and the batch → check the pass's lease → run the repack kernel →
-report. Nothing moves unless every check passed. The gRPC servicer
-(``compactor_service.server``) is a thin layer over this class; tests drive it
+``CompactorEngine`` maps each registered pool once (a file of its pool directory or CUDA
+IPC handles, kept open for the pool's life) and applies batched passes to it: validate
+every plan and the batch → check the pass's lease → run the repack kernel → report.
+Nothing moves unless every check passed; what the checks can and cannot establish about
+slot ownership is listed in ``compactor_service.plan``. The gRPC servicer
+(``compactor_service.servicer``) is a thin layer over this class; tests drive it
 in-process too.
 
 Epochs. Every registration gets an epoch larger than any this host's compactors handed
 out before (wall-clock microseconds at registration, strictly increasing within a
 process), so a request carrying the epoch of a previous compactor process, or of a
 pool registration that was replaced, is refused as stale.
+
+Registrations are leases. A pool lives ``limits.pool_lease_s`` after its registration or
+its last call (``compact``, ``heartbeat``); ``drop_expired_pools`` (the server's reaper)
+unregisters the rest, so the pools of a client that is gone are dropped whatever it
+called itself. Registrations are bounded per client id and in all (``ServerLimits``).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 import uuid
@@ -31,17 +37,24 @@ from compactor_service.compactor import (
     LeaseClaim,
 )
 from compactor_service.leases import LeaseStore
+from compactor_service.limits import LimitExceeded, ServerLimits, clip
 from compactor_service.plan import CompactionPlan
-from compactor_service.shared_pool import DEVICE_CUDA, PoolLayout, map_buffers
+from compactor_service.shared_pool import DEVICE_CUDA, PoolDirectory, PoolLayout, map_buffers
+
+MAX_CLIENT_ID_CHARS = 256
 
 
 class UnknownPool(LookupError):
-    """The pool id was never registered here, or was unregistered (e.g. the compactor
-    restarted): the client must register again."""
+    """The pool id was never registered here, or was unregistered or expired (e.g. the
+    compactor restarted): the client must register again."""
 
 
 class StaleEpoch(RuntimeError):
     """The request carries an epoch other than the pool's current one."""
+
+
+class BadClientId(ValueError):
+    """A client id the compactor will not record."""
 
 
 @dataclass
@@ -51,6 +64,7 @@ class _Pool:
     layout: PoolLayout
     client_id: str
     compactor: InProcessCompactor
+    expires_at_s: float
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -61,6 +75,7 @@ class EngineStats:
     slots_moved: int = 0
     bytes_moved: int = 0
     kernel_seconds: float = 0.0
+    pools_expired: int = 0
 
 
 class CompactorEngine:
@@ -72,12 +87,19 @@ class CompactorEngine:
         kernel: str = "auto",
         leases: LeaseStore | None = None,
         fault_hook: Callable[[str], None] | None = None,
+        *,
+        pool_dir: PoolDirectory | None = None,
+        limits: ServerLimits | None = None,
+        clock_s: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kernel = kernel
         self.leases = leases
         # Fault injection (tests): called at FAULT_POINTS of every pass; may kill the
         # process there.
         self.fault_hook = fault_hook
+        self.pool_dir = pool_dir
+        self.limits = limits or ServerLimits()
+        self._clock_s = clock_s
         self.pools: dict[str, _Pool] = {}
         self.stats = EngineStats()
         self._lock = threading.Lock()
@@ -89,9 +111,30 @@ class CompactorEngine:
             self._last_epoch = max(self._last_epoch + 1, time.time_ns() // 1000)
             return self._last_epoch
 
+    def _check_room(self, client_id: str) -> None:
+        """Refuse (``LimitExceeded``) a registration over the bounds; call under the lock."""
+        limits = self.limits
+        if len(self.pools) >= limits.max_pools:
+            raise LimitExceeded(
+                f"the compactor holds {len(self.pools)} pools (--max-pools "
+                f"{limits.max_pools}); unregister pools or wait for idle ones to expire"
+            )
+        held = sum(p.client_id == client_id for p in self.pools.values())
+        if held >= limits.max_pools_per_client:
+            raise LimitExceeded(
+                f"client {clip(client_id)} holds {held} pools (--max-pools-per-client "
+                f"{limits.max_pools_per_client}); unregister one or let it expire"
+            )
+
     def register_pool(self, layout: PoolLayout, client_id: str) -> tuple[str, int]:
         """Map ``layout`` (once) and return ``(pool_id, epoch)``."""
-        k, v = map_buffers(layout)  # raises PoolMappingError, maps nothing on failure
+        if len(client_id) > MAX_CLIENT_ID_CHARS:
+            raise BadClientId(
+                f"client_id {clip(client_id)} is longer than {MAX_CLIENT_ID_CHARS} characters"
+            )
+        with self._lock:
+            self._check_room(client_id)  # cheap refusal before any mapping
+        k, v = map_buffers(layout, self.pool_dir)  # raises PoolMappingError, maps nothing
         compactor = InProcessCompactor(
             k,
             v,
@@ -101,52 +144,80 @@ class CompactorEngine:
             # The reply means the bytes landed: the scheduler reads moved slots next.
             synchronize=layout.device == DEVICE_CUDA,
         )
+        epoch = self._next_epoch()
         pool = _Pool(
             pool_id=uuid.uuid4().hex,
-            epoch=self._next_epoch(),
+            epoch=epoch,
             layout=layout,
             client_id=client_id,
             compactor=compactor,
+            expires_at_s=self._clock_s() + self.limits.pool_lease_s,
         )
         with self._lock:
+            self._check_room(client_id)  # a concurrent registration may have taken it
             self.pools[pool.pool_id] = pool
         return pool.pool_id, pool.epoch
 
     def unregister_pool(self, pool_id: str, epoch: int) -> None:
         """Drop the pool and its mappings (the client's buffers are untouched)."""
-        pool = self._pool(pool_id, epoch)
+        pool = self.pool(pool_id, epoch)
         with pool.lock, self._lock:
             self.pools.pop(pool_id, None)
 
-    def drop_pools_of_dead_clients(self) -> list[str]:
-        """Unregister pools whose client process (``client_id`` =
-        ``"<name>:<host>:<pid>"``) ran on this host and no longer exists; return their
-        ids. Clients on other hosts (TCP) are left alone."""
+    def heartbeat(self, pool_id: str, epoch: int) -> float:
+        """Renew the pool's lease; return its length in seconds."""
+        self._renew(self.pool(pool_id, epoch))
+        return self.limits.pool_lease_s
+
+    def _renew(self, pool: _Pool) -> None:
+        pool.expires_at_s = self._clock_s() + self.limits.pool_lease_s
+
+    def drop_expired_pools(self) -> list[str]:
+        """Unregister pools whose lease ran out (no call within ``pool_lease_s``); return
+        their ids. A pool whose pass is running is renewed by that pass, not dropped."""
+        now = self._clock_s()
         dropped = []
-        host = socket.gethostname()
         for pool in list(self.pools.values()):
-            _, client_host, pid = (
-                pool.client_id.rsplit(":", 2) if pool.client_id.count(":") >= 2 else ("", "", "")
-            )
-            if client_host == host and pid.isdigit() and not _process_alive(int(pid)):
-                with pool.lock, self._lock:
-                    self.pools.pop(pool.pool_id, None)
-                dropped.append(pool.pool_id)
+            if pool.expires_at_s > now or not pool.lock.acquire(blocking=False):
+                continue
+            try:
+                with self._lock:
+                    if pool.expires_at_s <= now and self.pools.pop(pool.pool_id, None):
+                        dropped.append(pool.pool_id)
+                        self.stats.pools_expired += 1
+            finally:
+                pool.lock.release()
         return dropped
 
-    def _pool(self, pool_id: str, epoch: int) -> _Pool:
+    def pool(self, pool_id: str, epoch: int) -> _Pool:
+        """The registered pool, or ``UnknownPool``/``StaleEpoch``."""
         pool = self.pools.get(pool_id)
         if pool is None:
             raise UnknownPool(
-                f"pool {pool_id!r} is not registered with this compactor (restarted or "
-                f"unregistered): register the pool again"
+                f"pool {clip(pool_id)} is not registered with this compactor (restarted, "
+                f"unregistered or expired): register the pool again"
             )
         if epoch != pool.epoch:
             raise StaleEpoch(
-                f"epoch {epoch} is stale for pool {pool_id!r} (current {pool.epoch}): "
+                f"epoch {epoch} is stale for pool {clip(pool_id)} (current {pool.epoch}): "
                 f"register the pool again"
             )
         return pool
+
+    def check_call_size(self, num_plans: int, num_moves: int) -> None:
+        """Refuse (``LimitExceeded``) a call over the per-call bounds, before any plan is
+        decoded."""
+        limits = self.limits
+        if num_plans > limits.max_plans_per_call:
+            raise LimitExceeded(
+                f"{num_plans} plans in one call, more than --max-plans-per-call "
+                f"{limits.max_plans_per_call}; split the batch"
+            )
+        if num_moves > limits.max_moves_per_call:
+            raise LimitExceeded(
+                f"{num_moves} slot moves in one call, more than --max-moves-per-call "
+                f"{limits.max_moves_per_call}; split the batch"
+            )
 
     def compact(
         self,
@@ -157,12 +228,14 @@ class CompactorEngine:
         still_wanted: Callable[[], bool] | None = None,
     ) -> CompactResult:
         """Validate the batch, check the lease, run the kernel. Raises (moving nothing)
-        ``UnknownPool``, ``StaleEpoch``, ``PlanError``, ``LeaseRefused``, or
-        ``PassAbandoned`` when ``still_wanted()`` is false once the pass's turn has come
-        (checked after waiting for the pool and the checks, right before the kernel)."""
+        ``UnknownPool``, ``StaleEpoch``, ``LimitExceeded``, ``PlanError``,
+        ``LeaseRefused``, or ``PassAbandoned`` when ``still_wanted()`` turns false (asked
+        between plans during validation and right before the kernel)."""
         with tracing.tracer().start_as_current_span(tracing.SPAN_COMPACT) as span:
             try:
-                pool = self._pool(pool_id, epoch)
+                pool = self.pool(pool_id, epoch)
+                self._renew(pool)
+                self.check_call_size(len(plans), sum(p.num_moves for p in plans))
                 with pool.lock:
                     result = pool.compactor.compact(
                         plans, claim, still_wanted=still_wanted, fault=self.fault_hook
@@ -197,13 +270,3 @@ def random_kill_hook(seed: int, probability: float) -> Callable[[str], None]:
             os.kill(os.getpid(), signal.SIGKILL)
 
     return hook
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -9,8 +9,8 @@ Two kinds of record, one store:
   pass that stalled past its TTL (or whose compactor died and was replaced) cannot
   commit over a newer holder.
 * **Refcounted pins of shared pages.** Pages held by radix-tree nodes that several
-  requests lock are pinned once per holder; a page pinned by anyone but the asking
-  holder must not be moved. Counts never go negative.
+  requests lock are pinned once per holder; a pinned page is a shared prefix, which no
+  pass may move (``pinned``), whoever pins it. Counts never go negative.
 
 ``InProcessLeaseStore`` is the default (one scheduler process). A Redis store for
 multi-process deployments implements the same ``LeaseStore`` contract (same tests).
@@ -63,6 +63,10 @@ class LeaseStore(Protocol):
 
     def pinned_by_others(self, pages: Iterable[int], holder: str) -> list[int]:
         """The pages of ``pages`` that some holder other than ``holder`` pins."""
+        ...
+
+    def pinned(self, pages: Iterable[int]) -> list[int]:
+        """The pages of ``pages`` that anyone pins (what no pass may move)."""
         ...
 
 
@@ -144,3 +148,7 @@ class InProcessLeaseStore:
     def pinned_by_others(self, pages: Iterable[int], holder: str) -> list[int]:
         with self._lock:
             return [int(p) for p in pages if any(h != holder for h in self._pins.get(int(p), {}))]
+
+    def pinned(self, pages: Iterable[int]) -> list[int]:
+        with self._lock:
+            return [int(p) for p in pages if self._pins.get(int(p))]

@@ -9,6 +9,32 @@ scheduler then commits ``new_row``/``new_positions`` and frees ``freed_pages``.
 runs it on every request before any byte moves); the planner's full invariants, which
 also need the pre-pass row and the survivor set, live in ``sglang_evict.planner``.
 
+What the compactor can know about slot ownership, and so checks (everything else in a
+plan is the scheduler's word):
+
+* the pool's geometry: every slot in ``[0, num_slots)``, every page in
+  ``[0, num_slots // page_size)``, every position in ``[0, MAX_POSITION)``;
+* the plan itself: the new row holds each slot once and is page-structured, every
+  destination is a slot of the new row and no source is, no slot is both read and
+  written, the new row's positions are distinct, freed pages are not used by the new
+  row, claimed pages are (see ``validate_structure``);
+* the batch (``compactor.validate_batch``): plans of one pass own disjoint slots — no
+  slot read or written by two plans, no plan reading a slot another plan's row keeps, no
+  page freed twice or freed while a row still uses it, and a page that several rows
+  hold (a shared prefix) is frozen: nobody reads, writes, frees or claims it;
+* the lease store, when the compactor has one (``compactor.check_leases``): the pass's
+  fencing token is current, and no move reads or writes a page anyone pins (radix-tree
+  pins mark shared prefixes, frozen for every request; the claim's holder name grants
+  nothing, since a client chooses it).
+
+What it cannot know: the pre-pass row of a request and the rows of requests outside the
+batch. It never sees them, so a destination that is, in the scheduler's memory, the
+slot of a survivor the plan does not mention, or a private slot of a request outside
+the batch, cannot be told from a hole. Against that the compactor relies on who may call
+it at all: the Unix socket (0600, in a private directory) admits the scheduler's uid
+only, which can write the pool's memory anyway, and TCP beyond loopback needs TLS, with
+client certificates (``--tls-client-ca``) to authenticate schedulers.
+
 Diagram of a plan's slots (page size 4, one request; ``.`` = evicted, ``_`` = free tail):
 
     pre-pass row pages   [ 0  1  .  3 ][ 4  5  6  7 ][ .  9  10 _ ]
@@ -28,9 +54,19 @@ class PlanError(ValueError):
     """A plan is malformed or violates an invariant; nothing was applied."""
 
 
+# Logical positions are RoPE positions of a context; SGLang holds them in int32 tensors.
+MAX_POSITION = 1 << 31
+
+
 def _int64_1d(name: str, value: Tensor) -> None:
     if not isinstance(value, Tensor) or value.dim() != 1 or value.dtype != torch.int64:
         raise PlanError(f"{name} must be a 1-D int64 tensor, got {value!r:.80}")
+
+
+def _in_range(name: str, values: Tensor, high: int) -> None:
+    if values.numel() and (values.min() < 0 or values.max() >= high):
+        bad = values[(values < 0) | (values >= high)][:4].tolist()
+        raise PlanError(f"{name} holds {bad}, outside [0, {high})")
 
 
 def _duplicates(values: Tensor) -> list[int]:
@@ -91,8 +127,10 @@ class CompactionPlan:
         Checks: shapes and dtypes; no slot written twice or read twice; no slot both read
         and written (moves are independent, so any order or parallel split is safe and a
         re-run is idempotent); every destination lies in the new row and no source does;
-        the new row is page-structured; freed pages are not in the new row; slots lie in
-        ``[0, num_slots)`` when ``num_slots`` is given.
+        the new row is page-structured and its positions distinct; freed pages are not in
+        the new row, claimed pages are; positions lie in ``[0, MAX_POSITION)``; with
+        ``num_slots``, slots lie in ``[0, num_slots)`` and pages in
+        ``[0, num_slots // page_size)``.
         """
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise PlanError(f"page_size must be a positive integer, got {self.page_size!r}")
@@ -102,15 +140,21 @@ class CompactionPlan:
             raise PlanError("new_positions and new_row differ in length")
         if self.src_slots.shape != self.dst_slots.shape:
             raise PlanError("src_slots and dst_slots differ in length")
-        for name in ("new_row", "src_slots", "dst_slots", "freed_pages", "claimed_pages"):
+        if num_slots is not None:
+            num_pages = num_slots // self.page_size
+            for name, high in (
+                ("new_row", num_slots),
+                ("src_slots", num_slots),
+                ("dst_slots", num_slots),
+                ("freed_pages", num_pages),
+                ("claimed_pages", num_pages),
+            ):
+                _in_range(name, getattr(self, name), high)
+        _in_range("new_positions", self.new_positions, MAX_POSITION)
+        for name in ARRAY_FIELDS:
             dup = _duplicates(getattr(self, name))
             if dup:
                 raise PlanError(f"{name} repeats {dup[:8]}")
-        if num_slots is not None:
-            for name in ("new_row", "src_slots", "dst_slots"):
-                values = getattr(self, name)
-                if values.numel() and (values.min() < 0 or values.max() >= num_slots):
-                    raise PlanError(f"{name} has slots outside [0, {num_slots})")
         if torch.isin(self.dst_slots, self.src_slots).any():
             both = self.dst_slots[torch.isin(self.dst_slots, self.src_slots)][:8].tolist()
             raise PlanError(f"slots {both} are both read and written in one pass")

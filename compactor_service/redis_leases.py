@@ -169,6 +169,14 @@ class RedisLeaseStore:
         holders = self._call(pipe.execute)
         return [p for p, names in zip(pages, holders, strict=True) if set(names) - {holder}]
 
+    def pinned(self, pages: Iterable[int]) -> list[int]:
+        pages = [int(p) for p in pages]
+        pipe = self.client.pipeline(transaction=False)
+        for page in pages:
+            pipe.hlen(self._pin_key(page))
+        counts = self._call(pipe.execute)
+        return [p for p, count in zip(pages, counts, strict=True) if count]
+
 
 def _now_ms() -> int:
     return time.monotonic_ns() // 1_000_000

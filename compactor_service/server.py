@@ -1,352 +1,254 @@
-"""The compactor's gRPC server: a thin servicer over ``CompactorEngine``.
+"""The compactor process: flags, start-up checks, serving, supervision.
 
-    python -m compactor_service --socket /run/sglang-evict/compactor.sock
-    sglang-evict compactor --socket ... [--tcp 127.0.0.1:50151] [--redis-url ...]
+    python -m compactor_service [--socket PATH] [--pool-dir DIR]
+    sglang-evict compactor --socket ... [--tcp HOST:PORT --tls-cert C --tls-key K
+                                         [--tls-client-ca CA]] [--redis-url-file F]
 
-* Listens on a Unix socket by default (file mode 0600; its directory is created 0700
-  if missing), on TCP only when asked.
+* Listens on a Unix socket by default (mode 0600) in a private directory: the socket's
+  directory is created 0700 if missing and refused if others can write it or it is not
+  ours (``runtime_dir``). Default socket and pool directory: see ``runtime_dir``.
+* TCP only with ``--tcp``: plaintext on loopback only; any other address needs
+  ``--tls-cert``/``--tls-key``, and ``--tls-client-ca`` makes it mutual TLS (``tls``).
+* The Redis URL of the lease store comes from ``--redis-url-file`` or
+  ``$SGLANG_EVICT_REDIS_URL`` (``--redis-url`` still works, with a warning: a command
+  line is readable by every user in /proc); it is shown redacted everywhere.
 * Serves ``grpc.health.v1.Health``: SERVING once listening, NOT_SERVING while draining.
 * SIGTERM/SIGINT: health goes NOT_SERVING, in-flight passes finish (up to
   ``--drain-s``), then the process exits 0 and removes its socket.
-* Deadlines: a pass whose caller stopped waiting (deadline passed, call cancelled)
-  by the time its kernel would start moves nothing (DEADLINE_EXCEEDED).
-* Logs are JSON lines (``--log-format text`` for humans).
-* Pools whose client process has exited are unregistered (their mappings closed)
-  within ``--reap-interval-s``.
-
-Domain errors map to status codes in one place (``_STATUS``).
+* Logs are JSON lines (``--log-format text`` for humans), bounded and redacted.
+* Every bad flag: one line naming the flag and the fix on stderr, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import sys
 import threading
-import time
-from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
+from compactor_service import limits as limit_defaults
 from compactor_service import tracing
-from compactor_service.compactor import LeaseRefused, PassAbandoned
-from compactor_service.engine import CompactorEngine, StaleEpoch, UnknownPool
-from compactor_service.health import DEFAULT_SOCKET, SERVICE_NAME
-from compactor_service.plan import PlanError
-from compactor_service.redis_leases import LeaseStoreUnavailable
-from compactor_service.shared_pool import PoolMappingError
-from compactor_service.v1 import compactor_pb2 as pb
-from compactor_service.v1 import compactor_pb2_grpc as pb_grpc
-from compactor_service.wire import claim_from_proto, layout_from_proto, plan_from_proto
+from compactor_service.health import OneLineParser
+from compactor_service.limits import ServerLimits
+from compactor_service.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
+from compactor_service.runtime_dir import DEFAULT_POOL_DIR, DEFAULT_SOCKET, ensure_private_dir
+from compactor_service.secrets import REDIS_URL_ENV, redact_text, redact_url, resolve_redis_url
+from compactor_service.tls import ServerTls, load_server_tls, parse_tcp_address
 
 logger = logging.getLogger("sglang_evict.compactor")
-
-# Most specific first: LeaseRefused is a PlanError.
-_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (UnknownPool, grpc.StatusCode.NOT_FOUND),
-    (StaleEpoch, grpc.StatusCode.FAILED_PRECONDITION),
-    (LeaseRefused, grpc.StatusCode.ABORTED),  # fencing: a newer holder or no lease
-    (PlanError, grpc.StatusCode.INVALID_ARGUMENT),
-    (PoolMappingError, grpc.StatusCode.INVALID_ARGUMENT),
-    (PassAbandoned, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (LeaseStoreUnavailable, grpc.StatusCode.UNAVAILABLE),
-)
-
-
-def status_for(error: BaseException) -> grpc.StatusCode:
-    for kind, code in _STATUS:
-        if isinstance(error, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-def _still_wanted(context) -> bool:
-    """The client is still waiting: the call is active and its deadline not passed."""
-    remaining_s = context.time_remaining()
-    return context.is_active() and (remaining_s is None or remaining_s > 0)
-
-
-class CompactorServicer(pb_grpc.CompactorServicer):
-    def __init__(self, engine: CompactorEngine) -> None:
-        self.engine = engine
-
-    def _abort(self, context, error: BaseException, what: str):
-        code = status_for(error)
-        logger.warning("%s refused", what, extra={"status": code.name, "error": str(error)})
-        context.abort(code, str(error))
-
-    def RegisterPool(self, request, context):
-        try:
-            layout = layout_from_proto(request.layout)
-            pool_id, epoch = self.engine.register_pool(layout, request.client_id)
-        except (PoolMappingError, ValueError) as error:
-            self._abort(context, error, "RegisterPool")
-        logger.info(
-            "pool registered",
-            extra={
-                "pool_id": pool_id,
-                "epoch": epoch,
-                "client_id": request.client_id,
-                "layers": layout.num_layers,
-                "slots": layout.num_slots,
-                "device": layout.device,
-            },
-        )
-        return pb.RegisterPoolResponse(pool_id=pool_id, epoch=epoch)
-
-    def UnregisterPool(self, request, context):
-        try:
-            self.engine.unregister_pool(request.pool_id, request.epoch)
-        except (UnknownPool, StaleEpoch) as error:
-            self._abort(context, error, "UnregisterPool")
-        logger.info("pool unregistered", extra={"pool_id": request.pool_id})
-        return pb.UnregisterPoolResponse()
-
-    def Compact(self, request, context):
-        remaining_s = context.time_remaining()
-        if remaining_s is not None and remaining_s <= 0:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed: nothing moved")
-        try:
-            plans = [plan_from_proto(p) for p in request.plans]
-            result = self.engine.compact(
-                request.pool_id,
-                request.epoch,
-                plans,
-                claim_from_proto(request),
-                still_wanted=lambda: _still_wanted(context),
-            )
-        except Exception as error:  # mapped to a status; nothing moved
-            self._abort(context, error, "Compact")
-        logger.debug(
-            "pass done",
-            extra={
-                "pool_id": request.pool_id,
-                "plans": len(plans),
-                "slots_moved": result.slots_moved,
-                "duration_s": result.duration_s,
-            },
-        )
-        return pb.CompactResponse(
-            slots_moved=result.slots_moved,
-            bytes_moved=result.bytes_moved,
-            duration_s=result.duration_s,
-            kernel=result.kernel,
-            epoch=request.epoch,
-        )
-
-    def Stats(self, request, context):
-        s = self.engine.stats
-        return pb.StatsResponse(
-            pools=len(self.engine.pools),
-            passes=s.passes,
-            passes_rejected=s.passes_rejected,
-            slots_moved=s.slots_moved,
-            bytes_moved=s.bytes_moved,
-            kernel_seconds=s.kernel_seconds,
-            epoch_base=self.engine.epoch_base,
-        )
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, message and any ``extra`` fields."""
-
-    _standard = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "ts": round(record.created, 6),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        entry.update({k: v for k, v in vars(record).items() if k not in self._standard})
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
-
-
-def configure_logging(log_format: str, level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if log_format == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    root = logging.getLogger("sglang_evict")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
-
-
-def bind_unix_socket(server: grpc.Server, socket_path: Path) -> None:
-    """Bind ``socket_path`` with mode 0600 (directory created 0700 if missing)."""
-    directory = socket_path.parent
-    if not directory.exists():
-        directory.mkdir(mode=0o700, parents=True)
-    if socket_path.exists() or socket_path.is_symlink():
-        socket_path.unlink()  # a stale socket of a previous run
-    old_umask = os.umask(0o177)
-    try:
-        if server.add_insecure_port(f"unix:{socket_path}") == 0:
-            raise OSError(f"cannot listen on unix:{socket_path}")
-    finally:
-        os.umask(old_umask)
-
-
-class CompactorServer:
-    """A running compactor: gRPC server, health service, reaper of dead clients' pools."""
-
-    def __init__(
-        self,
-        engine: CompactorEngine,
-        *,
-        socket_path: str | None = DEFAULT_SOCKET,
-        tcp_address: str | None = None,
-        max_workers: int = 4,
-        reap_interval_s: float = 5.0,
-    ) -> None:
-        if socket_path is None and tcp_address is None:
-            raise ValueError("the compactor needs a Unix socket path or a TCP address")
-        self.engine = engine
-        self.socket_path = Path(socket_path) if socket_path else None
-        self.tcp_address = tcp_address
-        interceptors = []
-        from opentelemetry.instrumentation.grpc import server_interceptor
-
-        interceptors.append(server_interceptor())
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors
-        )
-        pb_grpc.add_CompactorServicer_to_server(CompactorServicer(engine), self.server)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.reap_interval_s = reap_interval_s
-        self._stopped = threading.Event()
-
-    def start(self) -> None:
-        if self.socket_path is not None:
-            bind_unix_socket(self.server, self.socket_path)
-            os.chmod(self.socket_path, 0o600)
-        if self.tcp_address is not None:
-            if self.server.add_insecure_port(self.tcp_address) == 0:
-                raise OSError(f"cannot listen on {self.tcp_address}")
-        self.server.start()
-        for service in ("", SERVICE_NAME):
-            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        threading.Thread(target=self._reap, daemon=True, name="pool-reaper").start()
-        logger.info(
-            "compactor serving",
-            extra={
-                "socket": str(self.socket_path) if self.socket_path else None,
-                "tcp": self.tcp_address,
-                "kernel": self.engine.kernel,
-                "leases": type(self.engine.leases).__name__ if self.engine.leases else None,
-                "epoch_base": self.engine.epoch_base,
-                "pid": os.getpid(),
-            },
-        )
-
-    def _reap(self) -> None:
-        while not self._stopped.wait(self.reap_interval_s):
-            for pool_id in self.engine.drop_pools_of_dead_clients():
-                logger.info("pool of an exited client unregistered", extra={"pool_id": pool_id})
-
-    def stop(self, drain_s: float = 10.0) -> None:
-        """Drain: NOT_SERVING, finish in-flight passes (at most ``drain_s``), stop."""
-        self.health.enter_graceful_shutdown()
-        start = time.perf_counter()
-        self.server.stop(grace=drain_s).wait()
-        self._stopped.set()
-        if self.socket_path is not None:
-            self.socket_path.unlink(missing_ok=True)
-        logger.info("compactor stopped", extra={"drain_s": time.perf_counter() - start})
-
-    def wait(self) -> None:
-        self.server.wait_for_termination()
+KERNEL_CHOICES = ("auto", "triton", "torch-reference")
 
 
 def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(
+    """The compactor's flags. Values are taken as text and checked by ``ServerOptions``
+    (one line per error, naming the flag)."""
+    parser = parser or OneLineParser(
         prog="python -m compactor_service", description="the sglang-evict compactor sidecar"
     )
-    parser.add_argument(
-        "--socket",
-        default=DEFAULT_SOCKET,
-        help=f"Unix socket path (mode 0600); default {DEFAULT_SOCKET}",
+    add = parser.add_argument
+    add("--socket", default=DEFAULT_SOCKET, help=f"Unix socket (default {DEFAULT_SOCKET})")
+    add("--no-socket", action="store_true", help="TCP only (needs --tcp)")
+    add("--tcp", default=None, metavar="HOST:PORT", help="also listen on TCP (off by default)")
+    add("--tls-cert", default=None, help="PEM certificate of the TCP listener")
+    add("--tls-key", default=None, help="PEM private key of the TCP listener")
+    add("--tls-client-ca", default=None, help="require client certificates from this CA (mTLS)")
+    add(
+        "--pool-dir",
+        default=DEFAULT_POOL_DIR,
+        help=f"the only directory CPU pool files are mapped from (default {DEFAULT_POOL_DIR})",
     )
-    parser.add_argument("--tcp", default=None, help="also listen on HOST:PORT (off by default)")
-    parser.add_argument("--no-socket", action="store_true", help="TCP only (needs --tcp)")
-    parser.add_argument(
-        "--kernel",
-        default="auto",
-        choices=["auto", "triton", "torch-reference"],
-        help="repack kernel (auto: Triton on CUDA, the torch reference on CPU)",
-    )
-    parser.add_argument(
-        "--redis-url",
+    add("--kernel", default="auto", help=f"repack kernel: {', '.join(KERNEL_CHOICES)}")
+    add(
+        "--redis-url-file",
         default=None,
-        help="check pass leases and shared-page pins in this Redis (redis://host:port/db)",
+        help=f"file holding the Redis URL of the lease store (else ${REDIS_URL_ENV})",
     )
-    parser.add_argument("--lease-namespace", default="default")
-    parser.add_argument("--drain-s", type=float, default=10.0)
-    parser.add_argument("--reap-interval-s", type=float, default=5.0)
-    parser.add_argument(
+    add("--redis-url", default=None, help="the Redis URL itself (visible in /proc; prefer a file)")
+    add("--lease-namespace", default="default")
+    add("--drain-s", default="10", help="seconds in-flight passes get on SIGTERM")
+    add("--reap-interval-s", default="5", help="seconds between expired-pool sweeps")
+    add(
+        "--pool-lease-s",
+        default=str(limit_defaults.DEFAULT_POOL_LEASE_S),
+        help="a pool without any call for this long is unregistered",
+    )
+    add("--max-pools", default=str(limit_defaults.DEFAULT_MAX_POOLS))
+    add("--max-pools-per-client", default=str(limit_defaults.DEFAULT_MAX_POOLS_PER_CLIENT))
+    add("--max-plans-per-call", default=str(limit_defaults.DEFAULT_MAX_PLANS_PER_CALL))
+    add("--max-moves-per-call", default=str(limit_defaults.DEFAULT_MAX_MOVES_PER_CALL))
+    add("--max-message-mb", default=str(limit_defaults.DEFAULT_MAX_MESSAGE_BYTES >> 20))
+    add("--max-inflight-per-pool", default=str(limit_defaults.DEFAULT_MAX_INFLIGHT_PER_POOL))
+    add("--workers", default="8", help="server threads")
+    add(
         "--supervise",
         action="store_true",
         help="restart the server process whenever it dies (a forked child; restarts in ms)",
     )
-    parser.add_argument(
+    add(
         "--fault-injection",
         default=None,
         metavar="SEED:PROBABILITY",
         help="testing only: SIGKILL the server at a random point of a pass with this "
         "probability per pass",
     )
-    parser.add_argument("--log-format", default="json", choices=["json", "text"])
-    parser.add_argument("--log-level", default="info")
+    add("--log-format", default="json", help="json or text")
+    add("--log-level", default="info", help=", ".join(LOG_LEVELS))
     return parser
+
+
+def _number(text: str, flag: str, kind: type, minimum: float, maximum: float = float("inf")):
+    try:
+        value = kind(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag} takes a number, got {text!r:.40}") from None
+    if not minimum <= value <= maximum:
+        allowed = f"[{minimum}, {maximum}]" if maximum < float("inf") else f">= {minimum}"
+        raise ValueError(f"{flag} must be {allowed}, got {text!r:.40}")
+    return value
+
+
+def _choice(text: str, flag: str, known) -> str:
+    if text not in known:
+        raise ValueError(f"{flag} {text!r:.40} is not one of {', '.join(known)}")
+    return text
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """The compactor's flags, checked: every error names its flag and the fix."""
+
+    socket_path: str | None
+    tcp_address: str | None
+    tcp_tls: ServerTls | None
+    pool_dir: Path
+    kernel: str
+    redis_url: str | None
+    lease_namespace: str
+    drain_s: float
+    reap_interval_s: float
+    workers: int
+    limits: ServerLimits
+    fault: tuple[int, float] | None
+    log_format: str
+    log_level: str
+    redis_url_on_command_line: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerOptions:
+        log_format = _choice(args.log_format, "--log-format", tuple(LOG_FORMATS))
+        log_level = _choice(args.log_level.lower(), "--log-level", LOG_LEVELS)
+        if args.no_socket and not args.tcp:
+            raise ValueError("--no-socket needs --tcp HOST:PORT")
+        tcp = parse_tcp_address(args.tcp) if args.tcp else None
+        if tcp is None and (args.tls_cert or args.tls_key or args.tls_client_ca):
+            raise ValueError("--tls-cert/--tls-key/--tls-client-ca apply to --tcp; add --tcp")
+        tls = load_server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+        if tcp is not None and not tcp.is_loopback and tls is None:
+            raise ValueError(
+                f"--tcp {tcp.target} listens beyond loopback without TLS: give --tls-cert and "
+                f"--tls-key (and --tls-client-ca to require client certificates), or listen "
+                f"on 127.0.0.1"
+            )
+        fault = None
+        if args.fault_injection:
+            seed, _, probability = args.fault_injection.partition(":")
+            try:
+                fault = (int(seed), float(probability))
+            except ValueError:
+                raise ValueError("--fault-injection takes SEED:PROBABILITY, e.g. 7:0.5") from None
+        limits = ServerLimits(
+            # gRPC takes the size as a C int: at most 2 GiB - 1.
+            max_message_bytes=_number(args.max_message_mb, "--max-message-mb", int, 1, 2047) << 20,
+            max_plans_per_call=_number(args.max_plans_per_call, "--max-plans-per-call", int, 1),
+            max_moves_per_call=_number(args.max_moves_per_call, "--max-moves-per-call", int, 1),
+            max_inflight_per_pool=_number(
+                args.max_inflight_per_pool, "--max-inflight-per-pool", int, 1
+            ),
+            max_pools_per_client=_number(
+                args.max_pools_per_client, "--max-pools-per-client", int, 1
+            ),
+            max_pools=_number(args.max_pools, "--max-pools", int, 1),
+            pool_lease_s=_number(args.pool_lease_s, "--pool-lease-s", float, 0.1),
+        )
+        socket_path = None
+        if not args.no_socket:
+            socket = Path(args.socket)
+            socket_path = str(ensure_private_dir(socket.parent, "--socket") / socket.name)
+        return cls(
+            socket_path=socket_path,
+            tcp_address=tcp.target if tcp else None,
+            tcp_tls=tls,
+            pool_dir=ensure_private_dir(args.pool_dir, "--pool-dir"),
+            kernel=_choice(args.kernel, "--kernel", KERNEL_CHOICES),
+            redis_url=resolve_redis_url(args.redis_url, args.redis_url_file),
+            lease_namespace=args.lease_namespace,
+            drain_s=_number(args.drain_s, "--drain-s", float, 0),
+            reap_interval_s=_number(args.reap_interval_s, "--reap-interval-s", float, 0.01),
+            workers=_number(args.workers, "--workers", int, 1),
+            limits=limits,
+            fault=fault,
+            log_format=log_format,
+            log_level=log_level,
+            redis_url_on_command_line=bool(args.redis_url),
+        )
+
+
+def _refuse(error: BaseException) -> int:
+    print(f"compactor: error: {redact_text(str(error))}", file=sys.stderr)
+    return 2
 
 
 def run(args: argparse.Namespace) -> int:
     """Start the server from parsed arguments and block until SIGTERM/SIGINT."""
-    configure_logging(args.log_format, args.log_level)
-    if args.no_socket and not args.tcp:
-        print("error: --no-socket needs --tcp HOST:PORT", file=sys.stderr)
-        return 2
-    fault = None
-    if args.fault_injection:
-        try:
-            seed_text, probability_text = args.fault_injection.split(":")
-            fault = (int(seed_text), float(probability_text))
-        except ValueError:
-            print("error: --fault-injection takes SEED:PROBABILITY, e.g. 7:0.5", file=sys.stderr)
-            return 2
+    try:
+        options = ServerOptions.from_args(args)
+    except ValueError as error:
+        return _refuse(error)
+    configure_logging(options.log_format, options.log_level)
+    if options.redis_url_on_command_line:
+        logger.warning(
+            "--redis-url puts the URL (and any password) on the command line, readable by "
+            f"every user in /proc; use --redis-url-file or ${REDIS_URL_ENV}"
+        )
     if args.supervise:
-        return _supervise(args, fault)
-    return _serve(args, fault)
+        return _supervise(options)
+    return _serve(options)
 
 
-def _serve(args: argparse.Namespace, fault: tuple[int, float] | None, generation: int = 0) -> int:
+def _serve(options: ServerOptions, generation: int = 0) -> int:
+    from compactor_service.engine import CompactorEngine
+    from compactor_service.servicer import CompactorServer
+    from compactor_service.shared_pool import PoolDirectory
+
     provider_configured = tracing.configure_from_env()
     leases = None
-    if args.redis_url:
+    if options.redis_url:
         from compactor_service.redis_leases import RedisLeaseStore
 
-        leases = RedisLeaseStore(args.redis_url, namespace=args.lease_namespace)
+        leases = RedisLeaseStore(options.redis_url, namespace=options.lease_namespace)
     fault_hook = None
-    if fault is not None:
+    if options.fault is not None:
         from compactor_service.engine import random_kill_hook
 
-        fault_hook = random_kill_hook(fault[0] + generation, fault[1])
+        fault_hook = random_kill_hook(options.fault[0] + generation, options.fault[1])
+    engine = CompactorEngine(
+        kernel=options.kernel,
+        leases=leases,
+        fault_hook=fault_hook,
+        pool_dir=PoolDirectory(options.pool_dir),
+        limits=options.limits,
+    )
     server = CompactorServer(
-        CompactorEngine(kernel=args.kernel, leases=leases, fault_hook=fault_hook),
-        socket_path=None if args.no_socket else args.socket,
-        tcp_address=args.tcp,
-        reap_interval_s=args.reap_interval_s,
+        engine,
+        socket_path=options.socket_path,
+        tcp_address=options.tcp_address,
+        tcp_credentials=options.tcp_tls.credentials() if options.tcp_tls else None,
+        max_workers=options.workers,
+        reap_interval_s=options.reap_interval_s,
     )
     stop_requested = threading.Event()
 
@@ -358,11 +260,13 @@ def _serve(args: argparse.Namespace, fault: tuple[int, float] | None, generation
     signal.signal(signal.SIGINT, request_stop)
     try:
         server.start()
-    except OSError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (OSError, RuntimeError) as error:
+        print(f"compactor: error: {redact_text(str(error))}", file=sys.stderr)
         return 1
+    if options.redis_url:
+        logger.info("lease store", extra={"redis": redact_url(options.redis_url)})
     stop_requested.wait()
-    server.stop(drain_s=args.drain_s)
+    server.stop(drain_s=options.drain_s)
     if provider_configured:
         from opentelemetry import trace
 
@@ -370,11 +274,18 @@ def _serve(args: argparse.Namespace, fault: tuple[int, float] | None, generation
     return 0
 
 
-def _supervise(args: argparse.Namespace, fault: tuple[int, float] | None) -> int:
+def _supervise(options: ServerOptions) -> int:
     """Run the server in a forked child and restart it whenever it dies (a restarted
     compactor has a new epoch; clients re-register). The parent has imported
     everything, so a restart takes milliseconds; it never touches CUDA or gRPC objects,
     so forking is safe. SIGTERM/SIGINT are forwarded and end the loop."""
+    # Import what a server process needs now, once: every forked child inherits it.
+    import opentelemetry.instrumentation.grpc  # noqa: F401
+
+    import compactor_service.engine
+    import compactor_service.servicer
+    import compactor_service.shared_pool  # noqa: F401
+
     stopping = threading.Event()
     child = [0]
 
@@ -393,21 +304,20 @@ def _supervise(args: argparse.Namespace, fault: tuple[int, float] | None) -> int
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             code = 1
             try:
-                code = _serve(args, fault, generation)
+                code = _serve(options, generation)
             finally:
                 os._exit(code)
         child[0] = pid
         _, status = os.waitpid(pid, 0)
         child[0] = 0
+        exit_code = os.waitstatus_to_exitcode(status)
         if stopping.is_set():
-            return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 0
+            return exit_code if os.WIFEXITED(status) else 0
+        if exit_code == 2:  # a start-up refusal: restarting would refuse again
+            return 2
         logger.error(
             "compactor process died; restarting",
-            extra={
-                "pid": pid,
-                "exit": os.waitstatus_to_exitcode(status),
-                "restarts": generation + 1,
-            },
+            extra={"pid": pid, "exit": exit_code, "restarts": generation + 1},
         )
         generation += 1
 

@@ -1,14 +1,26 @@
 """KV buffers that two processes map: the scheduler owns them, the compactor writes them.
 
-A CPU pool lives in one file on a tmpfs (``/dev/shm`` by default, mode 0600): every
-layer's K and V buffer at its own 4 KiB-aligned offset. Both processes map the file
-with ``MAP_SHARED`` (``torch.from_file(..., shared=True)``), so a copy made by the
-compactor is the scheduler's KV. A GPU pool is exported with CUDA IPC (torch's own
-reduction of a CUDA tensor, the mechanism ``torch.multiprocessing`` uses); the compactor
-opens each handle once per pool and keeps it open for the pool's life.
+A CPU pool lives in one file of the pool directory (a private tmpfs directory, see
+``runtime_dir``; the file is mode 0600): every layer's K and V buffer at its own 4 KiB-
+aligned offset. Both processes map the file ``MAP_SHARED``, so a copy made by the
+compactor is the scheduler's KV. A GPU pool is exported with CUDA IPC as plain fields
+(``cuda_ipc``); the compactor opens each handle once per pool and keeps it open for the
+pool's life. Nothing is ever unpickled.
 
     file layout (one pool)   [ k0 | pad ][ k1 | pad ] ... [ v0 | pad ] ... [ v(L-1) ]
-    handle of buffer i        (shm_path, offset_bytes of i)
+    handle of buffer i        (shm_path, i * stride),  stride = buffer bytes rounded up
+
+What the compactor maps (``PoolDirectory.open_pool_file``), so that a client can make
+it write nowhere but into a pool the client created for it:
+
+* the file's directory is the compactor's pool directory, its name has the form
+  ``create_shared_buffers`` gives (``sglang-evict-kv-<pid>-<hex>``), every buffer of
+  the pool names that one file, at exactly the offsets above;
+* opened relative to the directory with ``O_NOFOLLOW`` (no symlink), then checked on
+  the open descriptor: a regular file, one link, owned by the compactor's uid (gRPC does
+  not expose the peer's credentials, and the pool directory is private to that uid), of
+  exactly the size the layout implies; mapped from that descriptor, so nothing can swap
+  the file between the check and the mapping.
 
 This module is transport-free: ``PoolLayout`` is a plain dataclass, converted to and
 from the proto message by the gRPC layer.
@@ -16,9 +28,10 @@ from the proto message by the gRPC layer.
 
 from __future__ import annotations
 
-import io
+import mmap
 import os
-import pickle
+import re
+import stat
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -26,6 +39,9 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from compactor_service.limits import MAX_DEVICE_INDEX, MAX_LAYERS, clip
+from compactor_service.runtime_dir import ensure_private_dir
 
 ALIGN_BYTES = 4096
 DTYPES = {
@@ -37,17 +53,42 @@ DTYPES = {
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 DEVICE_CPU = "cpu"
 DEVICE_CUDA = "cuda"
+POOL_FILE_PREFIX = "sglang-evict-kv-"
+_POOL_FILE_NAME = re.compile(re.escape(POOL_FILE_PREFIX) + r"[0-9]{1,10}-[0-9a-f]{12}")
 
 
 class PoolMappingError(ValueError):
-    """A pool layout cannot be mapped (missing file, wrong size, bad dtype)."""
+    """A pool layout cannot be mapped: malformed, inconsistent, or not what it says."""
+
+
+class PoolFileRefused(PoolMappingError):
+    """The layout names a file the compactor must not map (outside its pool directory, a
+    symlink, not a pool file, someone else's)."""
+
+
+class PoolFileMissing(PoolMappingError):
+    """The pool's file does not exist (the scheduler removed it, or never created it)."""
+
+
+class PoolDeviceUnavailable(PoolMappingError):
+    """The pool is on a device this host does not have (a CUDA pool without CUDA)."""
+
+
+@dataclass(frozen=True)
+class CudaIpcBuffer:
+    """The fields of torch's CUDA storage sharing, as data (see ``cuda_ipc``)."""
+
+    mem_handle: bytes
+    storage_offset_bytes: int
+    storage_size_bytes: int
+    tensor_offset: int  # elements
 
 
 @dataclass(frozen=True)
 class BufferHandle:
-    shm_path: str = ""  # CPU: the tmpfs file holding the buffer
+    shm_path: str = ""  # CPU: the pool's file
     offset_bytes: int = 0
-    cuda_ipc: bytes = b""  # CUDA: torch's IPC export of the buffer (pickled reduction)
+    cuda: CudaIpcBuffer | None = None  # CUDA: the buffer's IPC export
 
 
 @dataclass(frozen=True)
@@ -66,33 +107,168 @@ class PoolLayout:
     v_buffers: tuple[BufferHandle, ...] = field(default_factory=tuple)
 
     @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.num_slots, self.num_kv_heads, self.head_dim)
+
+    @property
     def buffer_bytes(self) -> int:
         itemsize = DTYPES[self.dtype].itemsize
         return self.num_slots * self.num_kv_heads * self.head_dim * itemsize
 
+    @property
+    def stride_bytes(self) -> int:
+        """Distance between two buffers in a CPU pool's file."""
+        return -(-self.buffer_bytes // ALIGN_BYTES) * ALIGN_BYTES
+
+    @property
+    def file_bytes(self) -> int:
+        return 2 * self.num_layers * self.stride_bytes
+
+    def handles(self) -> list[tuple[str, BufferHandle]]:
+        """Every buffer handle with its field name, K buffers first."""
+        return [
+            (f"layout.{side}[{i}]", handle)
+            for side, handles in (("k_buffers", self.k_buffers), ("v_buffers", self.v_buffers))
+            for i, handle in enumerate(handles)
+        ]
+
     def validate(self) -> None:
         """Raise ``PoolMappingError`` unless the layout is self-consistent."""
         if self.dtype not in DTYPES:
-            raise PoolMappingError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPES)}")
+            raise PoolMappingError(
+                f"layout.dtype: unknown dtype {clip(self.dtype)}; known: {sorted(DTYPES)}"
+            )
         if self.device not in (DEVICE_CPU, DEVICE_CUDA):
-            raise PoolMappingError(f"unknown device {self.device!r}; known: cpu, cuda")
+            raise PoolMappingError(f"layout.device: unknown device {clip(self.device)}")
         for name in ("num_layers", "num_slots", "num_kv_heads", "head_dim", "page_size"):
             if getattr(self, name) < 1:
-                raise PoolMappingError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise PoolMappingError(f"layout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_layers > MAX_LAYERS:
+            raise PoolMappingError(f"layout.num_layers {self.num_layers} > {MAX_LAYERS}")
+        if self.page_size > self.num_slots:
+            raise PoolMappingError(
+                f"layout.page_size {self.page_size} exceeds num_slots {self.num_slots}"
+            )
+        if not 0 <= self.device_index <= MAX_DEVICE_INDEX:
+            raise PoolMappingError(
+                f"layout.device_index {self.device_index} is outside [0, {MAX_DEVICE_INDEX}]"
+            )
         if len(self.k_buffers) != self.num_layers or len(self.v_buffers) != self.num_layers:
             raise PoolMappingError(
                 f"need {self.num_layers} K and V buffer handles, got "
                 f"{len(self.k_buffers)} and {len(self.v_buffers)}"
             )
+        for name, handle in self.handles():
+            if self.device == DEVICE_CPU and (handle.cuda is not None or not handle.shm_path):
+                raise PoolMappingError(f"{name}: a CPU buffer needs shm_path and no cuda export")
+            if self.device == DEVICE_CUDA and (handle.cuda is None or handle.shm_path):
+                raise PoolMappingError(f"{name}: a CUDA buffer needs its cuda export, no shm_path")
+        if self.device == DEVICE_CPU:
+            self._validate_cpu_file_layout()
+
+    def _validate_cpu_file_layout(self) -> None:
+        path = self.k_buffers[0].shm_path
+        for index, (name, handle) in enumerate(self.handles()):
+            if handle.shm_path != path:
+                raise PoolMappingError(
+                    f"{name}.shm_path differs from layout.k_buffers[0].shm_path: a pool is one file"
+                )
+            if handle.offset_bytes != index * self.stride_bytes:
+                raise PoolMappingError(
+                    f"{name}.offset_bytes is {handle.offset_bytes}, expected "
+                    f"{index * self.stride_bytes} (buffer {index} of the pool's file)"
+                )
 
 
-def _aligned(num_bytes: int) -> int:
-    return -(-num_bytes // ALIGN_BYTES) * ALIGN_BYTES
+def _views(whole: Tensor, layout: PoolLayout) -> tuple[list[Tensor], list[Tensor]]:
+    """Per-layer K and V views of a pool file mapped as ``uint8`` ``whole``."""
+    dtype = DTYPES[layout.dtype]
+    views = [
+        whole[i * layout.stride_bytes : i * layout.stride_bytes + layout.buffer_bytes]
+        .view(dtype)
+        .view(layout.shape)
+        for i in range(2 * layout.num_layers)
+    ]
+    return views[: layout.num_layers], views[layout.num_layers :]
+
+
+def _map_fd(fd: int, size_bytes: int) -> Tensor:
+    """The whole file behind ``fd`` as a shared, writable ``uint8`` tensor."""
+    mapping = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+
+
+class PoolDirectory:
+    """The compactor's pool directory: created 0700 if missing, refused if others can
+    write it; held open so that files are looked up in this very directory."""
+
+    def __init__(self, path: str | os.PathLike, flag: str = "--pool-dir") -> None:
+        self.path = ensure_private_dir(path, flag)
+        self.flag = flag
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def open_pool_file(self, layout: PoolLayout) -> int:
+        """A read-write descriptor of the CPU pool's file, after every check of the
+        module docstring; raises ``PoolFileRefused``, ``PoolFileMissing`` or
+        ``PoolMappingError`` (wrong size)."""
+        shm_path = layout.k_buffers[0].shm_path
+        shown = clip(shm_path)
+        where = "layout.k_buffers[0].shm_path"
+        if os.path.dirname(shm_path) != str(self.path):
+            raise PoolFileRefused(
+                f"{where} {shown} is not in the compactor's pool directory {self.path}; "
+                f"start the scheduler with --kv-compactor-pool-dir {self.path}"
+            )
+        name = os.path.basename(shm_path)
+        if not _POOL_FILE_NAME.fullmatch(name):
+            raise PoolFileRefused(
+                f"{where} {shown} is not a pool file ({POOL_FILE_PREFIX}<pid>-<hex>, as "
+                f"create_shared_buffers names them)"
+            )
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, dir_fd=self._fd)
+        except FileNotFoundError:
+            raise PoolFileMissing(f"{where} {shown} does not exist") from None
+        except IsADirectoryError:
+            raise PoolMappingError(f"{where} {shown} is a directory, not a pool file") from None
+        except OSError as error:
+            raise PoolFileRefused(f"{where} {shown} cannot be opened ({error.strerror})") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise PoolMappingError(f"{where} {shown} is not a regular file")
+            if info.st_uid != os.geteuid():
+                raise PoolFileRefused(
+                    f"{where} {shown} is owned by uid {info.st_uid}, not by the compactor's "
+                    f"uid {os.geteuid()}"
+                )
+            if info.st_nlink != 1:
+                raise PoolFileRefused(f"{where} {shown} has {info.st_nlink} links, expected 1")
+            if info.st_size != layout.file_bytes:
+                raise PoolMappingError(
+                    f"{where} {shown} holds {info.st_size} bytes; the layout needs exactly "
+                    f"{layout.file_bytes}"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def map(self, layout: PoolLayout) -> tuple[list[Tensor], list[Tensor]]:
+        fd = self.open_pool_file(layout)
+        try:
+            return _views(_map_fd(fd, layout.file_bytes), layout)
+        finally:
+            os.close(fd)  # the mapping stays valid
 
 
 @dataclass
 class SharedKVBuffers:
-    """The scheduler's side of a CPU shared pool: per-layer views into one tmpfs file.
+    """The scheduler's side of a CPU shared pool: per-layer views into one pool file.
 
     ``close`` removes the file; mappings stay valid in processes that hold them until
     they drop their tensors (POSIX unlink semantics).
@@ -115,19 +291,16 @@ def create_shared_buffers(
     head_dim: int,
     dtype: torch.dtype,
     page_size: int,
-    directory: str | os.PathLike = "/dev/shm",
+    directory: str | os.PathLike,
     copy_from: tuple[Sequence[Tensor], Sequence[Tensor]] | None = None,
+    flag: str = "--kv-compactor-pool-dir",
 ) -> SharedKVBuffers:
-    """Allocate a CPU pool in a new tmpfs file (mode 0600), optionally copying the
-    current contents of ``copy_from = (k_buffers, v_buffers)`` into it."""
+    """Allocate a CPU pool in a new file (mode 0600) of the pool ``directory`` (created
+    0700 if missing, refused if others can write it), optionally copying the current
+    contents of ``copy_from = (k_buffers, v_buffers)`` into it."""
     if dtype not in DTYPE_NAMES:
         raise PoolMappingError(f"unsupported KV dtype {dtype}; known: {sorted(DTYPES)}")
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise PoolMappingError(
-            f"shared-memory directory {directory} does not exist; pass an existing tmpfs "
-            f"directory (e.g. /dev/shm)"
-        )
+    directory = ensure_private_dir(directory, flag)
     layout = PoolLayout(
         num_layers=num_layers,
         num_slots=num_slots,
@@ -137,89 +310,33 @@ def create_shared_buffers(
         page_size=page_size,
         device=DEVICE_CPU,
     )
-    stride = _aligned(layout.buffer_bytes)
-    path = directory / f"sglang-evict-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    path = directory / f"{POOL_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    handles = tuple(BufferHandle(str(path), i * layout.stride_bytes) for i in range(2 * num_layers))
+    layout = replace(layout, k_buffers=handles[:num_layers], v_buffers=handles[num_layers:])
+    layout.validate()
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.ftruncate(fd, 2 * num_layers * stride)
+        os.ftruncate(fd, layout.file_bytes)
+        k, v = _views(_map_fd(fd, layout.file_bytes), layout)
     finally:
         os.close(fd)
-    handles = tuple(BufferHandle(str(path), i * stride) for i in range(2 * num_layers))
-    layout = replace(layout, k_buffers=handles[:num_layers], v_buffers=handles[num_layers:])
-    k, v = map_buffers(layout)
     if copy_from is not None:
         for dst, src in zip(k + v, [*copy_from[0], *copy_from[1]], strict=True):
             dst.copy_(src)
     return SharedKVBuffers(path=path, k=k, v=v, layout=layout)
 
 
-def export_cuda_buffers(
-    k_buffers: Sequence[Tensor], v_buffers: Sequence[Tensor], page_size: int
-) -> PoolLayout:
-    """A layout exporting CUDA buffers by IPC (the scheduler keeps owning them)."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401  registers the CUDA tensor reductions
-
-    first = k_buffers[0]
-    if first.dtype not in DTYPE_NAMES:
-        raise PoolMappingError(f"unsupported KV dtype {first.dtype}; known: {sorted(DTYPES)}")
-
-    def export(buffer: Tensor) -> BufferHandle:
-        stream = io.BytesIO()
-        ForkingPickler(stream, pickle.HIGHEST_PROTOCOL).dump(buffer)
-        return BufferHandle(cuda_ipc=stream.getvalue())
-
-    return PoolLayout(
-        num_layers=len(k_buffers),
-        num_slots=first.shape[0],
-        num_kv_heads=first.shape[1],
-        head_dim=first.shape[2],
-        dtype=DTYPE_NAMES[first.dtype],
-        page_size=page_size,
-        device=DEVICE_CUDA,
-        device_index=first.device.index or 0,
-        k_buffers=tuple(export(b) for b in k_buffers),
-        v_buffers=tuple(export(b) for b in v_buffers),
-    )
-
-
-def map_buffers(layout: PoolLayout) -> tuple[list[Tensor], list[Tensor]]:
-    """Map every buffer of ``layout`` in this process: one mapping per file (CPU) or
-    one IPC open per buffer (CUDA). Raises ``PoolMappingError`` and maps nothing if
-    a file is missing or too small."""
+def map_buffers(
+    layout: PoolLayout, pool_dir: PoolDirectory | None
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Map every buffer of ``layout`` in this process: the pool's file (CPU, from
+    ``pool_dir``) or one IPC open per buffer (CUDA). Raises ``PoolMappingError`` (or a
+    subclass) and maps nothing on any failed check."""
     layout.validate()
     if layout.device == DEVICE_CUDA:
-        buffers = [pickle.loads(h.cuda_ipc) for h in (*layout.k_buffers, *layout.v_buffers)]
-        expected = (layout.num_slots, layout.num_kv_heads, layout.head_dim)
-        for buffer in buffers:
-            if tuple(buffer.shape) != expected or DTYPE_NAMES.get(buffer.dtype) != layout.dtype:
-                raise PoolMappingError(
-                    f"IPC buffer {tuple(buffer.shape)} {buffer.dtype} does not match the "
-                    f"layout {expected} {layout.dtype}"
-                )
-        return buffers[: layout.num_layers], buffers[layout.num_layers :]
-    files: dict[str, Tensor] = {}
-    dtype = DTYPES[layout.dtype]
-    shape = (layout.num_slots, layout.num_kv_heads, layout.head_dim)
-    views = []
-    for handle in (*layout.k_buffers, *layout.v_buffers):
-        if handle.shm_path not in files:
-            try:
-                size_bytes = os.stat(handle.shm_path).st_size
-            except OSError as error:
-                raise PoolMappingError(
-                    f"cannot open the pool's shared-memory file: {error}"
-                ) from None
-            files[handle.shm_path] = torch.from_file(
-                handle.shm_path, shared=True, size=size_bytes, dtype=torch.uint8
-            )
-        whole = files[handle.shm_path]
-        end = handle.offset_bytes + layout.buffer_bytes
-        if handle.offset_bytes % ALIGN_BYTES or end > whole.numel():
-            raise PoolMappingError(
-                f"buffer at offset {handle.offset_bytes} (+{layout.buffer_bytes} bytes) does "
-                f"not fit {handle.shm_path} ({whole.numel()} bytes, {ALIGN_BYTES}-aligned)"
-            )
-        views.append(whole[handle.offset_bytes : end].view(dtype).view(shape))
-    return views[: layout.num_layers], views[layout.num_layers :]
+        from compactor_service.cuda_ipc import open_cuda_buffers
+
+        return open_cuda_buffers(layout)
+    if pool_dir is None:
+        raise PoolFileRefused("this compactor has no pool directory: CPU pools are refused")
+    return pool_dir.map(layout)

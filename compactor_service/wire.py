@@ -1,7 +1,8 @@
 """Conversions between the proto messages (``compactor_service.v1``) and domain types.
 
 Slot arrays travel as little-endian int64 bytes; a malformed field is a ``PlanError``
-or ``PoolMappingError`` (the servicer maps both to INVALID_ARGUMENT).
+or ``PoolMappingError`` (the servicer maps both to INVALID_ARGUMENT). Every field is
+plain data; nothing is deserialised as code.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import torch
 from torch import Tensor
 
 from compactor_service.compactor import LeaseClaim
+from compactor_service.limits import clip
 from compactor_service.plan import ARRAY_FIELDS, CompactionPlan, PlanError
 from compactor_service.shared_pool import (
     DEVICE_CPU,
     DEVICE_CUDA,
     BufferHandle,
+    CudaIpcBuffer,
     PoolLayout,
     PoolMappingError,
 )
@@ -41,11 +44,19 @@ def plan_to_proto(plan: CompactionPlan, rid: str = "") -> pb.Plan:
     return pb.Plan(rid=rid, page_size=plan.page_size, **fields)
 
 
-def plan_from_proto(message: pb.Plan) -> CompactionPlan:
-    arrays = {
-        name: le64_to_tensor(f"{message.rid or 'plan'}.{name}", getattr(message, f"{name}_le64"))
-        for name in ARRAY_FIELDS
-    }
+def plan_from_proto(message: pb.Plan, max_values: int | None = None) -> CompactionPlan:
+    """Decode one plan; with ``max_values``, refuse (before decoding) an array holding
+    more values than that (a pool of N slots has no plan array longer than N)."""
+    name_of_plan = clip(message.rid) if message.rid else "plan"
+    arrays = {}
+    for name in ARRAY_FIELDS:
+        data = getattr(message, f"{name}_le64")
+        if max_values is not None and len(data) // 8 > max_values:
+            raise PlanError(
+                f"{name_of_plan}.{name} holds {len(data) // 8} values, more than the pool's "
+                f"{max_values} slots"
+            )
+        arrays[name] = le64_to_tensor(f"{name_of_plan}.{name}", data)
     return CompactionPlan(page_size=int(message.page_size), **arrays)
 
 
@@ -62,12 +73,33 @@ def claim_from_proto(request: pb.CompactRequest) -> LeaseClaim | None:
     return LeaseClaim(resource=c.resource, token=int(c.fencing_token), holder=c.holder)
 
 
-def layout_to_proto(layout: PoolLayout) -> pb.PoolLayout:
-    def handle(h: BufferHandle) -> pb.BufferHandle:
-        return pb.BufferHandle(
-            shm_path=h.shm_path, offset_bytes=h.offset_bytes, cuda_ipc=h.cuda_ipc
+def _handle_to_proto(h: BufferHandle) -> pb.BufferHandle:
+    if h.cuda is None:
+        return pb.BufferHandle(shm_path=h.shm_path, offset_bytes=h.offset_bytes)
+    return pb.BufferHandle(
+        cuda=pb.CudaIpcBuffer(
+            mem_handle=h.cuda.mem_handle,
+            storage_offset_bytes=h.cuda.storage_offset_bytes,
+            storage_size_bytes=h.cuda.storage_size_bytes,
+            tensor_offset=h.cuda.tensor_offset,
         )
+    )
 
+
+def _handle_from_proto(h: pb.BufferHandle) -> BufferHandle:
+    cuda = None
+    if h.HasField("cuda"):
+        c = h.cuda
+        cuda = CudaIpcBuffer(
+            mem_handle=bytes(c.mem_handle),
+            storage_offset_bytes=int(c.storage_offset_bytes),
+            storage_size_bytes=int(c.storage_size_bytes),
+            tensor_offset=int(c.tensor_offset),
+        )
+    return BufferHandle(shm_path=h.shm_path, offset_bytes=int(h.offset_bytes), cuda=cuda)
+
+
+def layout_to_proto(layout: PoolLayout) -> pb.PoolLayout:
     return pb.PoolLayout(
         num_layers=layout.num_layers,
         num_slots=layout.num_slots,
@@ -77,8 +109,8 @@ def layout_to_proto(layout: PoolLayout) -> pb.PoolLayout:
         page_size=layout.page_size,
         device=_DEVICES[layout.device],
         device_index=layout.device_index,
-        k_buffers=[handle(h) for h in layout.k_buffers],
-        v_buffers=[handle(h) for h in layout.v_buffers],
+        k_buffers=[_handle_to_proto(h) for h in layout.k_buffers],
+        v_buffers=[_handle_to_proto(h) for h in layout.v_buffers],
     )
 
 
@@ -87,12 +119,11 @@ def layout_from_proto(message: pb.PoolLayout) -> PoolLayout:
         raise PoolMappingError(
             f"layout.device must be DEVICE_CPU or DEVICE_CUDA, got {message.device}"
         )
-
-    def handle(h: pb.BufferHandle) -> BufferHandle:
-        return BufferHandle(
-            shm_path=h.shm_path, offset_bytes=int(h.offset_bytes), cuda_ipc=h.cuda_ipc
+    counts = (len(message.k_buffers), len(message.v_buffers))
+    if counts != (message.num_layers, message.num_layers):
+        raise PoolMappingError(
+            f"need {message.num_layers} K and V buffer handles, got {counts[0]} and {counts[1]}"
         )
-
     layout = PoolLayout(
         num_layers=int(message.num_layers),
         num_slots=int(message.num_slots),
@@ -102,8 +133,8 @@ def layout_from_proto(message: pb.PoolLayout) -> PoolLayout:
         page_size=int(message.page_size),
         device=_DEVICE_NAMES[message.device],
         device_index=int(message.device_index),
-        k_buffers=tuple(handle(h) for h in message.k_buffers),
-        v_buffers=tuple(handle(h) for h in message.v_buffers),
+        k_buffers=tuple(_handle_from_proto(h) for h in message.k_buffers),
+        v_buffers=tuple(_handle_from_proto(h) for h in message.v_buffers),
     )
     layout.validate()
     return layout

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -31,6 +32,7 @@ from sglang_evict.config import (
     COMPACTION_STRATEGIES,
     COMPACTOR_FALLBACKS,
     COMPACTORS,
+    DEFAULT_SCORER,
     LEASE_STORES,
     EvictionConfig,
 )
@@ -39,9 +41,10 @@ from sglang_evict.planner import (
     pages_freed_without_compaction,
     plan_compaction,
 )
-from sglang_evict.scorers import SCORERS, KVView
+from sglang_evict.scorers import SCORERS, KVView, needs_calibration
 from sglang_evict.selection import protected_mask, select_survivors
 
+TRACEBACK_ENV = "SGLANG_EVICT_TRACEBACK"
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 SCORE_LAYERS = 2  # random keys: more layers would only cost memory, not change the picture
 SCORE_KV_HEADS = 2
@@ -60,7 +63,7 @@ def _add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | Non
     parser.add_argument("--kv-sink-tokens", type=int, default=4, help="attention sinks kept")
     parser.add_argument("--kv-protected-tokens", type=int, default=0, help="e.g. system prompt")
     parser.add_argument("--kv-window", type=int, default=128, help="recent tokens always kept")
-    parser.add_argument("--kv-scorer", default="knorm", help=f"one of {sorted(SCORERS)}")
+    parser.add_argument("--kv-scorer", default=DEFAULT_SCORER, help=f"one of {sorted(SCORERS)}")
     parser.add_argument(
         "--kv-scorer-stats", default=None, help="triattention: stats file from calibration"
     )
@@ -74,6 +77,8 @@ def _add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | Non
 
 def _add_compactor_flags(parser: argparse.ArgumentParser) -> None:
     """Where passes copy KV (in-process or the sidecar) and where leases live."""
+    from compactor_service.runtime_dir import DEFAULT_POOL_DIR
+
     parser.add_argument(
         "--kv-compactor",
         default="inprocess",
@@ -89,6 +94,19 @@ def _add_compactor_flags(parser: argparse.ArgumentParser) -> None:
         "passes while it is down",
     )
     parser.add_argument("--kv-compactor-timeout-ms", type=int, default=1000)
+    parser.add_argument(
+        "--kv-compactor-pool-dir",
+        default=DEFAULT_POOL_DIR,
+        help="private directory of CPU pool files; the compactor's --pool-dir",
+    )
+    parser.add_argument(
+        "--kv-compactor-address", default=None, help="HOST:PORT of a TCP compactor (--tcp)"
+    )
+    parser.add_argument(
+        "--kv-compactor-tls-ca", default=None, help="CA of the TCP compactor's certificate"
+    )
+    parser.add_argument("--kv-compactor-tls-cert", default=None, help="client cert (mTLS)")
+    parser.add_argument("--kv-compactor-tls-key", default=None, help="client key (mTLS)")
     parser.add_argument(
         "--kv-lease-store",
         default="inprocess",
@@ -111,6 +129,11 @@ def _compactor_fields(args: argparse.Namespace) -> dict:
         compactor_socket=args.kv_compactor_socket,
         compactor_fallback=args.kv_compactor_fallback,
         compactor_timeout_ms=args.kv_compactor_timeout_ms,
+        shm_dir=args.kv_compactor_pool_dir,
+        compactor_address=args.kv_compactor_address,
+        compactor_tls_ca=args.kv_compactor_tls_ca,
+        compactor_tls_cert=args.kv_compactor_tls_cert,
+        compactor_tls_key=args.kv_compactor_tls_key,
         lease_store=args.kv_lease_store,
         redis_url=args.kv_redis_url,
         lease_namespace=args.kv_lease_namespace,
@@ -118,6 +141,11 @@ def _compactor_fields(args: argparse.Namespace) -> dict:
 
 
 def _config_from_args(args: argparse.Namespace) -> EvictionConfig:
+    if args.kv_scorer_stats and not needs_calibration(args.kv_scorer):
+        raise ValueError(
+            f"--kv-scorer-stats is read by the triattention scorer only, not --kv-scorer "
+            f"{args.kv_scorer}; drop it or pass --kv-scorer triattention"
+        )
     params = {"stats_path": args.kv_scorer_stats} if args.kv_scorer_stats else {}
     return EvictionConfig(
         kv_budget_tokens=args.kv_budget,
@@ -214,10 +242,15 @@ def _simulate(args: argparse.Namespace) -> int:
 def _use_triton_interpreter_without_gpu() -> None:
     """SGLang's allocator kernels are Triton; without a GPU they run only under Triton's
     interpreter, which must be chosen before SGLang is imported."""
-    import os
-
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _demo_model(args: argparse.Namespace) -> int:
+    from sglang_evict.engine_model import ensure_engine_model
+
+    print(ensure_engine_model(args.out))
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -226,52 +259,86 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
-    import os
-
-    page_size = 1
+def _page_size_of(sglang_argv: list[str]) -> int:
+    """``--page-size`` among SGLang's arguments (1, SGLang's default, when absent)."""
+    page_size = "1"
     for i, flag in enumerate(sglang_argv):
-        if flag == "--page-size" and i + 1 < len(sglang_argv):
-            page_size = int(sglang_argv[i + 1])
+        if flag == "--page-size":
+            if i + 1 == len(sglang_argv):
+                raise ValueError("--page-size needs a value: the KV page size in tokens, e.g. 16")
+            page_size = sglang_argv[i + 1]
         elif flag.startswith("--page-size="):
-            page_size = int(flag.split("=", 1)[1])
-        elif flag == "--radix-cache-backend" or flag.startswith("--radix-cache-backend="):
-            raise ValueError(
-                "sglang-evict serve selects --radix-cache-backend itself; remove that flag"
-            )
-    args.page_size = page_size
+            page_size = flag.split("=", 1)[1]
+    try:
+        return int(page_size)
+    except ValueError:
+        raise ValueError(
+            f"--page-size {page_size!r} is not an integer; pass the KV page size in tokens, "
+            f"e.g. --page-size 16"
+        ) from None
+
+
+def _redis_url(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The Redis URL (flag, file or environment; validated) and a line for the dry run
+    saying how it reaches the server, without its password."""
+    import shlex
+
+    from compactor_service.secrets import REDIS_URL_ENV, redact_url, resolve_redis_url
+
+    url = resolve_redis_url(args.kv_redis_url, args.kv_redis_url_file, flag="--kv-redis-url")
+    if url is None:
+        return None, ""
+    shown = redact_url(url)
+    if args.kv_redis_url_file:
+        path = shlex.quote(args.kv_redis_url_file)
+        return url, f'export {REDIS_URL_ENV}="$(cat {path})"  # {shown}'
+    if not args.kv_redis_url:
+        return url, f"# {REDIS_URL_ENV} ({shown}) is taken from this environment"
+    if shown == url:
+        return url, f"export {REDIS_URL_ENV}={shlex.quote(url)}"
+    print(
+        f"sglang-evict serve: warning: --kv-redis-url carries a password, readable by every "
+        f"user in the process list; pass it in ${REDIS_URL_ENV} or --kv-redis-url-file FILE",
+        file=sys.stderr,
+    )
+    hint = f"# export {REDIS_URL_ENV}={shlex.quote(shown)} with the real password (not printed)"
+    return url, hint
+
+
+def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
+    import shlex
+
+    from compactor_service.secrets import REDIS_URL_ENV
+
+    args.page_size = _page_size_of(sglang_argv)
+    redis_url, redis_line = _redis_url(args)
+    args.kv_redis_url = redis_url
     config = _config_from_args(args)  # our flags first: nothing of SGLang is loaded yet
     _use_triton_interpreter_without_gpu()
+    if args.dry_run:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a dry run never downloads
     from sglang_evict.srt.server_args import (
-        BACKEND_NAME,
         CONFIG_ENV,
+        backend_flags,
+        check_startup,
+        model_facts_from_server_args,
         parse_server_args,
-        unsupported_server_args,
     )
 
-    try:
-        server_args = parse_server_args(sglang_argv)
-    except SystemExit as error:  # argparse already printed what was wrong
-        return int(error.code or 2)
-    problems = unsupported_server_args(server_args, config.scorer)
-    if getattr(server_args, "disable_radix_cache", False):
-        problems.append(
-            "--disable-radix-cache turns off the cache sglang-evict works inside; remove it"
-        )
-    if problems:
-        raise ValueError("; ".join(problems))
-    command = [
-        sys.executable,
-        "-m",
-        "sglang.launch_server",
-        *sglang_argv,
-        "--radix-cache-backend",
-        BACKEND_NAME,
-    ]
+    server_args = parse_server_args(sglang_argv, dry_run=args.dry_run)
+    model = model_facts_from_server_args(server_args)
+    check_startup(server_args, config, model)  # what every scheduler checks at startup
+    command = [sys.executable, "-m", "sglang.launch_server", *sglang_argv, *backend_flags()]
     env = {**os.environ, CONFIG_ENV: config.to_json()}
+    if redis_url:  # through the environment, never on the command line
+        env[REDIS_URL_ENV] = redis_url
     if args.dry_run:
-        print(f"{CONFIG_ENV}={config.to_json()}")
-        print(" ".join(command))
+        architectures = ", ".join(model.architectures) or "?"
+        print(f"# checks passed: policy, SGLang flags, model {model.path} ({architectures})")
+        if redis_line:
+            print(redis_line)
+        print(f"export {CONFIG_ENV}={shlex.quote(config.to_json())}")
+        print(shlex.join(command))
         return 0
     # Replace this process: SGLang receives the container's signals (SIGTERM drains it)
     # directly, with no parent in between to forward them.
@@ -283,41 +350,71 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tqdm import tqdm
+    from sglang_evict.calibrate import read_model_config
 
-    from sglang_evict.calibrate import calibrate, tokenize_text
-    from sglang_evict.scorers.triattention_stats import save_stats
-
-    model_path, text_path, out = Path(args.model_path), Path(args.text), Path(args.out)
-    if not (model_path / "config.json").is_file():
-        raise FileNotFoundError(f"{model_path} is not an HF-format model folder (no config.json)")
-    if not text_path.is_file():
-        raise FileNotFoundError(f"text file {text_path} does not exist")
+    model_path = Path(args.model_path)
+    read_model_config(model_path)
+    if args.check:
+        return _calibrate_check(args, model_path)
+    if not args.text or not args.out:
+        raise ValueError(
+            "calibrate needs --text FILE and --out STATS (or --check STATS to check a stats "
+            "file against the model)"
+        )
+    out = Path(args.out)
     if out.suffix not in (".safetensors", ".json"):
         raise ValueError(f"--out {out} must end in .safetensors or .json")
-    text = text_path.read_text(encoding="utf-8")
-    if not text.strip():
-        raise ValueError(f"text file {text_path} is empty")
-    from transformers import AutoModelForCausalLM
+    stats = _stats_over_text(args, model_path)
+    from sglang_evict.scorers.triattention_stats import save_stats
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_stats(stats, out)
+    except OSError as error:
+        raise ValueError(f"--out {out}: cannot write it ({error.strerror})") from None
+    print(f"wrote {out}: {stats.shape_text()}")
+    return 0
+
+
+def _stats_over_text(args: argparse.Namespace, model_path):
+    """Statistics of the model's queries over ``--text`` (at most ``--max-tokens``)."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from sglang_evict.calibrate import calibrate, load_model, read_text, tokenize_text
+
+    text = read_text(Path(args.text))
+    model = load_model(model_path)
     token_ids = tokenize_text(model_path, text, model.config.vocab_size, args.byte_tokens)
     if args.max_tokens:
         token_ids = token_ids[: args.max_tokens]
-    chunks = -(-token_ids.numel() // args.chunk_tokens)
-    print(f"calibrating on {token_ids.numel()} tokens in {chunks} chunks of {args.chunk_tokens}")
+    chunk_tokens = args.chunk_tokens
+    chunks = -(-token_ids.numel() // chunk_tokens)
+    print(f"calibrating on {token_ids.numel()} tokens in {chunks} chunks of {chunk_tokens}")
 
     def progress(starts):
         return tqdm(starts, desc="calibration chunks", unit="chunk")
 
-    stats = calibrate(model, token_ids, chunk_tokens=args.chunk_tokens, progress=progress)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_stats(stats, out)
-    print(
-        f"wrote {out}: {stats.num_layers} layers x {stats.num_heads} heads x "
-        f"{stats.head_dim // 2} frequencies, rope_style {stats.rope_style}, "
-        f"rope_theta {stats.rope_theta:g}"
-    )
+    return calibrate(model, token_ids, chunk_tokens=chunk_tokens, progress=progress)
+
+
+def _calibrate_check(args: argparse.Namespace, model_path) -> int:
+    """Does a stats file fit the model (the check the server's startup makes), and, with
+    --text, how close are its mean queries to the same statistics over that text."""
+    from sglang_evict.calibrate import check_stats_fit_model, held_out_agreement, read_hf_config
+    from sglang_evict.scorers.triattention_stats import load_stats
+
+    stats = load_stats(args.check)
+    try:
+        check_stats_fit_model(stats, read_hf_config(model_path), str(model_path))
+    except ValueError as error:
+        print(f"calibrate --check: FAIL: {error}")
+        return 1
+    print(f"calibrate --check: {args.check} fits the model: {stats.shape_text()}")
+    if args.text:
+        held_out = _stats_over_text(args, model_path)
+        print(f"calibrate --check: {held_out_agreement(stats, held_out).describe()}")
     return 0
 
 
@@ -333,8 +430,15 @@ def _compactor_health(args: argparse.Namespace) -> int:
     return run(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (not after a usage text) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sglang-evict",
         description="Decode-time KV-cache token eviction for SGLang that returns real memory.",
     )
@@ -361,20 +465,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="generate on CPU through SGLang's memory classes with eviction; show the memory",
-        description="Greedy generation on CPU with a small random-weight Llama-architecture "
-        "model (built from a seed) whose attention reads and writes SGLang's real paged KV "
-        "pool, with the radix cache on and the plugin evicting and compacting as it does in "
-        "a server. Prints each pass and, at the end, the peak KV held vs a full cache.",
+        help="SGLang's real engine with and without eviction, side by side; KV held and a plot",
+        description="Start SGLang's real engine twice (on a machine without a GPU, on the "
+        "CPU) on a small model built offline: once with the plugin evicting and compacting, "
+        "once plain. Both generate the same requests; prints the KV held per request and in "
+        "total from SGLang's own decode log, the passes and pages freed, and writes a plot "
+        "of KV held per decode step.",
     )
     demo.add_argument("--requests", type=int, default=4, help="concurrent requests")
     demo.add_argument("--prompt-tokens", type=int, default=64)
-    demo.add_argument("--new-tokens", type=int, default=512)
+    demo.add_argument("--new-tokens", type=int, default=1024)
     demo.add_argument("--page-size", type=int, default=16, help="KV page size")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--plot", default="sglang-evict-demo.png", help="where the PNG goes")
+    demo.add_argument(
+        "--model", default=None, help="model folder (default: built once into ~/.cache)"
+    )
+    demo.add_argument("--log-dir", default=None, help="where the engines' logs go (default: .)")
     _add_policy_flags(demo, default_budget=256)
     _add_compactor_flags(demo)
     demo.set_defaults(handler=_demo)
+    demo_model = commands.add_parser(
+        "demo-model",
+        help="build the demo's small model + tokenizer offline; print its folder",
+        description="Write the small Llama-architecture checkpoint and byte-level BPE "
+        "tokenizer the project builds offline (deterministic, float32; random weights) and "
+        "print the folder, for `sglang-evict serve --model-path ...` on CPU.",
+    )
+    demo_model.add_argument("--out", default=None, help="folder (default: ~/.cache/...)")
+    demo_model.set_defaults(handler=_demo_model)
 
     serve = commands.add_parser(
         "serve",
@@ -387,6 +505,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_flags(serve)
     _add_compactor_flags(serve)
     serve.add_argument(
+        "--kv-redis-url-file",
+        default=None,
+        metavar="FILE",
+        help="file holding the Redis URL (e.g. a mounted secret); or set "
+        "$SGLANG_EVICT_REDIS_URL. The URL reaches the server through its environment",
+    )
+    serve.add_argument(
         "--dry-run", action="store_true", help="validate, print the command, start nothing"
     )
     serve.set_defaults(handler=_serve, passes_through=True)
@@ -394,14 +519,23 @@ def build_parser() -> argparse.ArgumentParser:
     cal = commands.add_parser(
         "calibrate",
         help="compute triattention query statistics from an HF model and a text",
-        description="Run an HF-format causal LM over a text and write the per-(layer, head) "
-        "pre-RoPE query statistics the triattention scorer reads (--kv-scorer-stats).",
+        description="Run an HF-format causal LM (safetensors weights) over a text and write "
+        "the per-(layer, head) pre-RoPE query statistics the triattention scorer reads "
+        "(--kv-scorer-stats), or --check an existing stats file against the model.",
     )
     cal.add_argument("--model-path", required=True, help="HF-format model folder")
-    cal.add_argument("--text", required=True, help="UTF-8 text file")
-    cal.add_argument("--out", required=True, help="stats file (.safetensors or .json)")
+    cal.add_argument("--text", help="UTF-8 text file (with --check: a held-out text)")
+    cal.add_argument("--out", help="stats file to write (.safetensors or .json)")
+    cal.add_argument(
+        "--check",
+        metavar="STATS",
+        help="check an existing stats file against the model (exit 1 if it does not fit); "
+        "with --text, also report how close its mean queries are to that text's",
+    )
     cal.add_argument("--chunk-tokens", type=int, default=512, help="tokens per forward")
-    cal.add_argument("--max-tokens", type=int, default=0, help="use at most this many tokens")
+    cal.add_argument(
+        "--max-tokens", type=int, default=0, help="use at most this many tokens (0: all)"
+    )
     cal.add_argument(
         "--byte-tokens",
         action="store_true",
@@ -434,6 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from sglang_evict import warnings_filter
+
+    warnings_filter.install()  # before anything imports SGLang
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and not getattr(args, "passes_through", False):
@@ -444,13 +581,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("tokens", "requests", "prompt_tokens", "new_tokens", "chunk_tokens"):
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if getattr(args, "max_tokens", 0) < 0:
+        parser.error("--max-tokens must be >= 0 (0: use the whole text)")
     try:
         if getattr(args, "passes_through", False):
             return args.handler(args, rest)
         return args.handler(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError) as error:  # bad input, named by its source
         print(f"sglang-evict {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:  # a bug: one line, and the way to see the traceback
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(
+            f"sglang-evict {args.command}: internal error: {type(error).__name__}: {error} "
+            f"(please report it with the command line; {TRACEBACK_ENV}=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

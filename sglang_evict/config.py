@@ -12,11 +12,14 @@ cadence_tokens``; afterwards the request holds at most ``kv_budget_tokens`` toke
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from compactor_service.runtime_dir import DEFAULT_POOL_DIR, DEFAULT_SOCKET
+from compactor_service.secrets import check_redis_url, redact_url
 from sglang_evict.planner import STRATEGIES as COMPACTION_STRATEGIES  # one definition
 
 # Ranges a config must stay inside; errors quote them.
@@ -25,6 +28,11 @@ MAX_PAGE_SIZE = 1 << 12
 COMPACTORS = ("inprocess", "grpc")
 COMPACTOR_FALLBACKS = ("inprocess", "skip")  # compactor_service.client.FALLBACK_MODES
 LEASE_STORES = ("inprocess", "redis", "none")
+# The best calibration-free scorer a server runs, by step accuracy at the largest
+# evicting budget of the committed quality results (benches/quality/results): streaming
+# 0.49, random 0.41, knorm 0.06 at 50 %. tests/test_cli_default_scorer.py derives it
+# from that file (``sglang_evict.quality.report.best_scorer``) and fails when they differ.
+DEFAULT_SCORER = "streaming"
 
 
 def _require_int(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -60,15 +68,26 @@ class EvictionConfig:
             for scorers that read queries (``window``, ``rkv``).
         compactor: ``inprocess`` (the embedded default) or ``grpc`` (the sidecar at
             ``compactor_socket``; ``--kv-compactor``).
-        compactor_socket: the sidecar's Unix socket (``--kv-compactor-socket``).
+        compactor_socket: the sidecar's Unix socket (``--kv-compactor-socket``; default
+            ``compactor_service.health.DEFAULT_SOCKET``, the compactor's own default).
+        compactor_address: ``HOST:PORT`` of a sidecar listening on TCP instead
+            (``--kv-compactor-address``).
+        compactor_tls_ca, compactor_tls_cert, compactor_tls_key: TLS to a TCP sidecar:
+            the CA of its certificate and, for mutual TLS, this scheduler's certificate
+            and key (``--kv-compactor-tls-ca/-cert/-key``, PEM files).
         compactor_fallback: ``inprocess`` or ``skip``: what a pass does when the sidecar
             cannot serve it (``--kv-compactor-fallback``; see
             ``compactor_service.client``).
         compactor_timeout_ms: deadline of one Compact call (``--kv-compactor-timeout-ms``).
-        shm_dir: tmpfs directory for a CPU pool shared with the sidecar.
+        shm_dir: the pool directory a CPU pool shared with the sidecar is created in; the
+            sidecar maps pool files from its own ``--pool-dir`` only, so both must name
+            the same private directory (``--kv-compactor-pool-dir``; default
+            ``/dev/shm/sglang-evict-<uid>``, see ``compactor_service.runtime_dir``).
         lease_store: ``inprocess`` (default), ``redis`` (``redis_url``) or ``none``: where
             pass leases and shared-page pins live (``--kv-lease-store``).
-        redis_url: ``redis://host:port/db`` of the Redis lease store (``--kv-redis-url``).
+        redis_url: ``redis://[:password@]host:port/db`` of the Redis lease store
+            (``--kv-redis-url``, ``--kv-redis-url-file`` or ``$SGLANG_EVICT_REDIS_URL``);
+            a secret: the repr redacts it and ``to_json`` leaves it out.
         lease_ttl_ms: TTL of a pass's exclusive lease.
         lease_namespace: key namespace in the Redis store; schedulers sharing one Redis
             need distinct namespaces (page numbers are per pool) and their compactor
@@ -83,17 +102,21 @@ class EvictionConfig:
     sink_tokens: int = 4
     protected_tokens: int = 0
     window_tokens: int = 128
-    scorer: str = "knorm"
+    scorer: str = DEFAULT_SCORER
     scorer_params: Mapping[str, Any] = field(default_factory=dict)
     evict_prompt: bool = False
     compaction: str = "hole_fill"
     page_size: int = 1
     query_window_tokens: int = 32
     compactor: str = "inprocess"
-    compactor_socket: str = "/tmp/sglang-evict/compactor.sock"
+    compactor_socket: str = DEFAULT_SOCKET
+    compactor_address: str | None = None
+    compactor_tls_ca: str | None = None
+    compactor_tls_cert: str | None = None
+    compactor_tls_key: str | None = None
     compactor_fallback: str = "inprocess"
     compactor_timeout_ms: int = 1000
-    shm_dir: str = "/dev/shm"
+    shm_dir: str = DEFAULT_POOL_DIR
     lease_store: str = "inprocess"
     redis_url: str | None = None
     lease_ttl_ms: int = 5000
@@ -130,11 +153,17 @@ class EvictionConfig:
             if value not in known:
                 raise ValueError(f"unknown {name} {value!r}; known: {list(known)}")
         _require_int("compactor_timeout_ms", self.compactor_timeout_ms, 1)
+        self._check_compactor_transport()
         _require_int("lease_ttl_ms", self.lease_ttl_ms, 1)
         if self.lease_store == "redis" and not self.redis_url:
             raise ValueError(
-                "lease_store 'redis' needs a URL: pass --kv-redis-url redis://HOST:PORT"
+                "lease_store 'redis' needs a URL: set $SGLANG_EVICT_REDIS_URL or pass "
+                "--kv-redis-url-file FILE (or --kv-redis-url redis://HOST:PORT)"
             )
+        if self.redis_url is not None:
+            if not isinstance(self.redis_url, str):
+                raise ValueError(f"redis_url must be a string, got {type(self.redis_url)}")
+            check_redis_url(self.redis_url, "redis_url")
         if not isinstance(self.scorer_params, Mapping):
             raise ValueError(f"scorer_params must be a mapping, got {type(self.scorer_params)}")
         # Freeze the parameters too: a frozen dataclass holding a mutable dict is not frozen.
@@ -145,15 +174,42 @@ class EvictionConfig:
 
         object.__setattr__(self, "_scorer", build_scorer(self.scorer, self.scorer_params))
 
+    def _check_compactor_transport(self) -> None:
+        if self.compactor_address is not None:
+            from compactor_service.tls import parse_tcp_address
+
+            parse_tcp_address(self.compactor_address, "--kv-compactor-address")
+        tls = (self.compactor_tls_ca, self.compactor_tls_cert, self.compactor_tls_key)
+        if any(tls) and self.compactor_address is None:
+            raise ValueError(
+                "--kv-compactor-tls-* apply to a TCP compactor: add --kv-compactor-address"
+            )
+        if (self.compactor_tls_cert or self.compactor_tls_key) and not self.compactor_tls_ca:
+            raise ValueError(
+                "--kv-compactor-tls-cert/-key need --kv-compactor-tls-ca (the CA of the "
+                "compactor's certificate)"
+            )
+        if bool(self.compactor_tls_cert) != bool(self.compactor_tls_key):
+            raise ValueError("--kv-compactor-tls-cert and --kv-compactor-tls-key go together")
+
+    def __repr__(self) -> str:
+        """The fields, with the Redis URL's password redacted."""
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
+        shown["scorer_params"] = dict(self.scorer_params)
+        shown["redis_url"] = redact_url(self.redis_url)
+        return f"EvictionConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
     def to_json(self) -> str:
         """The policy as the JSON object ``sglang-evict serve`` hands to SGLang's processes
-        (page size excluded: each process takes it from its engine)."""
+        (``SGLANG_EVICT_CONFIG``). Page size is left out (each process takes it from its
+        engine), and so is the Redis URL, a secret that travels in its own variable,
+        ``$SGLANG_EVICT_REDIS_URL``, and is never printed."""
         import json
 
         fields = {
             name: getattr(self, name)
             for name, spec in self.__dataclass_fields__.items()
-            if spec.init and name != "page_size"
+            if spec.init and name not in ("page_size", "redis_url")
         }
         fields["scorer_params"] = dict(self.scorer_params)
         return json.dumps(fields, sort_keys=True)

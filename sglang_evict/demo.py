@@ -1,85 +1,175 @@
-"""``sglang-evict demo``: generation with and without eviction, side by side in one run."""
+"""``sglang-evict demo``: SGLang's real engine on this machine, with eviction and without,
+side by side in one run, on the small model the project builds offline.
+
+Two engines start at once (``sglang.Engine``, radix cache and overlap scheduler on; on a
+machine without a GPU with the CPU settings of ``engine_runner.cpu_engine_kwargs``): one
+with ``--radix-cache-backend sglang-evict`` and the policy from the flags, one plain.
+Both generate the same requests (sharing a system prompt). What is printed and plotted
+is read off SGLang's own accounting, its decode log (``#token``: the KV tokens held by
+running requests, every decode step); passes and pages freed are the plugin's report
+in SGLang's ``get_server_info``.
+"""
 
 from __future__ import annotations
 
 import argparse
-
-import torch
+import sys
+import threading
+import time
+from pathlib import Path
 
 from sglang_evict.cli import _config_from_args, _use_triton_interpreter_without_gpu
+
+DEFAULT_PLOT = "sglang-evict-demo.png"
 
 
 def run(args: argparse.Namespace) -> int:
     _use_triton_interpreter_without_gpu()
-    from tqdm import tqdm
+    from transformers import AutoTokenizer
 
-    from sglang_evict.reference_loop import GenerationRequest, generate
-    from sglang_evict.reference_model import PagedLlama, build_tiny_llama
-    from sglang_evict.srt.cpu_driver import MemoryDriver
+    from sglang_evict.engine_model import ensure_engine_model
+    from sglang_evict.srt.engine_runner import EngineError, EngineProcess, cpu_engine_kwargs
 
     config = _config_from_args(args)
-    hf_model = build_tiny_llama(seed=args.seed)
-    model_config = hf_model.config
-    model = PagedLlama(hf_model)
+    model_path = ensure_engine_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    prompts = _prompts(tokenizer, args.requests, args.prompt_tokens)
     page_size = config.page_size
-    num_slots = args.requests * (args.prompt_tokens + args.new_tokens + 2 * page_size) + 64
-
-    def make_driver(policy):
-        return MemoryDriver.for_model(
-            model,
-            page_size=page_size,
-            num_tokens=num_slots,
-            config=policy,
-            max_context=args.prompt_tokens + args.new_tokens + 8,
-        )
-
-    generator = torch.Generator().manual_seed(args.seed)
-    vocab = model_config.vocab_size
-    system = torch.randint(vocab, (args.prompt_tokens // 2,), generator=generator).tolist()
-    requests = [
-        GenerationRequest(
-            f"r{i}",
-            system
-            + torch.randint(
-                vocab, (args.prompt_tokens - len(system),), generator=generator
-            ).tolist(),
-            args.new_tokens,
-        )
-        for i in range(args.requests)
-    ]
+    pool_tokens = args.requests * (args.prompt_tokens + args.new_tokens + 2 * page_size) + 256
+    kwargs = cpu_engine_kwargs(model_path, page_size=page_size, max_total_tokens=pool_tokens)
+    if not _cpu_only():
+        kwargs.update(device="cuda", attention_backend=None, dtype="auto", model_impl="auto")
     print(
-        f"demo: {args.requests} requests sharing a {len(system)}-token system prompt, "
-        f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens each; page size "
-        f"{page_size}, budget {config.kv_budget_tokens}, cadence {config.cadence_tokens}, "
-        f"scorer {config.scorer}, compaction {config.compaction}"
+        f"demo: SGLang's engine with and without eviction, {args.requests} requests sharing a "
+        f"system prompt, {len(prompts[0])}-token prompts, {args.new_tokens} new tokens each; "
+        f"page size {page_size}, budget {config.kv_budget_tokens}, cadence "
+        f"{config.cadence_tokens}, scorer {config.scorer}, compaction {config.compaction}"
     )
-    bar = tqdm(total=args.new_tokens, desc="with eviction", unit="step", leave=False)
-    shown = [0]
-
-    def on_step(step: int, result) -> None:
-        bar.update(1)
-        for rid, at, done in result.passes[shown[0] :]:
-            bar.write(
-                f"step {at:>5}  {rid:<4} pass: {done.tokens_before} -> {done.tokens_after} "
-                f"tokens, evicted {done.tokens_evicted}, pages freed {done.pages_freed}, "
-                f"slot copies {done.slot_copies}"
-            )
-        shown[0] = len(result.passes)
-
-    evicting = generate(make_driver(config), model, requests, on_step=on_step)
-    bar.close()
-    bar = tqdm(total=args.new_tokens, desc="full cache (no plugin)", unit="step", leave=False)
-    full = generate(make_driver(None), model, requests, on_step=lambda *_: bar.update(1))
-    bar.close()
-    passes = [p for _, _, p in evicting.passes]
-    print(
-        f"passes {len(passes)}, tokens evicted {sum(p.tokens_evicted for p in passes)}, "
-        f"pages freed {sum(p.pages_freed for p in passes)}"
-    )
-    held, held_full = max(evicting.held_tokens), max(full.held_tokens)
-    print(
-        f"peak KV held (running requests + radix tree): {held} tokens "
-        f"({-(-held // page_size)} pages) with eviction vs {held_full} tokens "
-        f"({-(-held_full // page_size)} pages) without: {held / held_full:.2f} of the full cache"
-    )
+    log_dir = Path(args.log_dir) if args.log_dir else Path.cwd()
+    evicting = EngineProcess(kwargs, policy=config, log_path=log_dir / "demo-evicting.log")
+    plain = EngineProcess(kwargs, policy=None, log_path=log_dir / "demo-plain.log")
+    started = time.monotonic()
+    print("starting both engines (about a minute on 2 CPU cores) ...", flush=True)
+    try:
+        for engine in (evicting, plain):
+            engine.launch()
+        for engine in (evicting, plain):
+            engine.wait_ready()
+        print(f"engines ready after {time.monotonic() - started:.0f} s", flush=True)
+        sampling = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
+        runs = {}
+        for name, engine in (("with eviction", evicting), ("without (plain SGLang)", plain)):
+            mark = engine.mark()
+            _generate_with_progress(engine, prompts, sampling, name, args.new_tokens)
+            runs[name] = (engine.decode_steps(mark), engine.plugin_state())
+    except EngineError as error:
+        print(f"sglang-evict demo: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        for engine in (evicting, plain):
+            engine.close()
+    _report(runs, page_size, args)
     return 0
+
+
+def _cpu_only() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _prompts(tokenizer, num_requests: int, prompt_tokens: int) -> list[list[int]]:
+    system = tokenizer("You are a helpful assistant. Answer step by step.")["input_ids"]
+    filler = tokenizer(" Explain the cache, the pages and the budget.")["input_ids"]
+    system = (system + filler * prompt_tokens)[: max(1, prompt_tokens // 2)]
+    prompts = []
+    for i in range(num_requests):
+        question = tokenizer(f" Question {i}: tell me a long story.")["input_ids"]
+        tail = (question * prompt_tokens)[: prompt_tokens - len(system)]
+        prompts.append(system + tail)
+    return prompts
+
+
+def _generate_with_progress(engine, prompts, sampling, name, new_tokens) -> list[dict]:
+    """Generate in a worker thread; the bar follows SGLang's decode log."""
+    from tqdm import tqdm
+
+    from sglang_evict.srt.engine_runner import parse_decode_steps
+
+    result: dict = {}
+
+    def work():
+        try:
+            result["outputs"] = engine.generate(prompts, sampling)
+        except BaseException as error:  # re-raised in the caller's thread
+            result["error"] = error
+
+    start = engine.log_path.stat().st_size
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    with tqdm(total=new_tokens, desc=name, unit="step", leave=False, file=sys.stdout) as bar:
+        while worker.is_alive():
+            worker.join(0.5)
+            with open(engine.log_path, "rb") as log:
+                log.seek(start)
+                steps = len(parse_decode_steps(log.read().decode(errors="replace")))
+            bar.update(min(steps, new_tokens) - bar.n)
+    if "error" in result:
+        raise result["error"]
+    return result["outputs"]
+
+
+def _report(runs: dict, page_size: int, args: argparse.Namespace) -> None:
+    (with_name, (with_steps, report)), (without_name, (without_steps, _)) = runs.items()
+    num_requests = args.requests
+
+    def peaks(steps):
+        busy = [s for s in steps if s.running_requests == num_requests] or steps
+        total = max(s.tokens_held for s in busy)
+        per_request = max(s.tokens_held / s.running_requests for s in busy)
+        return total, per_request
+
+    total_on, per_on = peaks(with_steps)
+    total_off, per_off = peaks(without_steps)
+    print(
+        f"passes {report['passes']}, tokens evicted {report['tokens_evicted']}, "
+        f"pages freed {report['pages_freed']} (plugin's report in SGLang's get_server_info)"
+    )
+    compactor = report.get("compactor")
+    if compactor:
+        print(
+            f"compactor: {compactor['sidecar_passes']} passes by the sidecar, "
+            f"{compactor['fallback_passes']} completed in-process"
+        )
+    print("peak KV held, from SGLang's decode log (#token: running requests + radix tree):")
+    print(f"  {'':<24}{'total tokens':>14}{'per request':>13}{'pages':>8}")
+    for name, total, per in ((with_name, total_on, per_on), (without_name, total_off, per_off)):
+        print(f"  {name:<24}{total:>14}{per:>13.0f}{-(-total // page_size):>8}")
+    print(f"  with eviction: {total_on / total_off:.2f} of the full cache")
+    plot_path = Path(args.plot)
+    if _plot(plot_path, runs, page_size):
+        print(f"plot of KV held per decode step: {plot_path.resolve()}")
+
+
+def _plot(path: Path, runs: dict, page_size: int) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('no plot: matplotlib is not installed (pip install "matplotlib")')
+        return False
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    for name, (steps, _) in runs.items():
+        axis.plot([s.tokens_held for s in steps], label=name)
+    axis.set_xlabel("decode step")
+    axis.set_ylabel("KV tokens held (SGLang #token)")
+    axis.set_title(f"KV held per decode step, page size {page_size}")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True

@@ -186,6 +186,10 @@ class EvictionManager:
         mismatch = torch.nonzero(positions != torch.arange(kv_len), as_tuple=True)[0]
         return int(mismatch[0]) if mismatch.numel() else kv_len
 
+    def num_tracked_requests(self) -> int:
+        """Requests with eviction state (none once every request has finished)."""
+        return len(self.states)
+
     def first_evicted_position(self, rid: str, kv_len: int) -> int | None:
         """The smallest logical position no longer held (None: nothing evicted)."""
         state = self.states.get(rid)

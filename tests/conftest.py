@@ -34,3 +34,49 @@ def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "engine: starts SGLang's real engine on CPU (slow; CI runs them, "
+        "`pytest -m 'not engine'` skips them locally)",
+    )
+
+
+@pytest.fixture(scope="session")
+def engine_model():
+    """The model + tokenizer the project builds offline for the engine (cached)."""
+    from sglang_evict.engine_model import ensure_engine_model
+
+    return ensure_engine_model()
+
+
+@pytest.fixture(scope="session")
+def engines(engine_model, tmp_path_factory, request):
+    """Real SGLang engines, started on first use and shared by the session."""
+    from tests.engine_harness import EngineRegistry, engine_log_dir
+
+    registry = EngineRegistry(engine_model, engine_log_dir(tmp_path_factory))
+    request.config.stash[_ENGINE_REGISTRY] = registry
+    yield registry
+    registry.close_all()
+
+
+@pytest.fixture(scope="session")
+def reference_model(engine_model):
+    """The CPU reference loop's model over the engine's checkpoint."""
+    from tests.engine_harness import load_reference_model
+
+    return load_reference_model(engine_model)
+
+
+_ENGINE_REGISTRY = pytest.StashKey()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    registry = config.stash.get(_ENGINE_REGISTRY, None)
+    if registry is not None and registry.start_times_s:
+        terminalreporter.section("SGLang engines started (start-up seconds)")
+        for label, seconds in registry.start_times_s:
+            terminalreporter.write_line(f"{label}: {seconds} s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_evict.calibrate import calibrate, held_out_agreement
 from sglang_evict.cli import main
 from sglang_evict.config import EvictionConfig
 from sglang_evict.reference_loop import GenerationRequest, generate
@@ -126,3 +127,60 @@ def test_calibrate_without_a_tokenizer_says_what_to_do(model_dir, capsys):
     ]
     assert main(argv) == 2
     assert "--byte-tokens" in capsys.readouterr().err
+
+
+def calibrate_argv(model_dir, out) -> list[str]:
+    text = str(model_dir / "calibration.txt")
+    return ["calibrate", "--model-path", str(model_dir), "--text", text, "--out", str(out)]
+
+
+def test_check_says_a_stats_file_fits_its_model(model_dir, capsys):
+    stats = model_dir / "fits.safetensors"
+    assert main([*calibrate_argv(model_dir, stats), "--byte-tokens"]) == 0
+    capsys.readouterr()
+    assert main(["calibrate", "--model-path", str(model_dir), "--check", str(stats)]) == 0
+    out = capsys.readouterr().out
+    assert f"{stats} fits the model: 2 layers x 4 attention heads x head_dim 16" in out
+
+
+def test_check_fails_stats_of_another_model_naming_both_shapes(model_dir, tmp_path, capsys):
+    other = tmp_path / "other-model"
+    build_tiny_llama(seed=3, num_layers=3).save_pretrained(other)
+    (other / "calibration.txt").write_text(TEXT)
+    stats = tmp_path / "other.json"
+    assert main([*calibrate_argv(other, stats), "--byte-tokens"]) == 0
+    capsys.readouterr()
+    assert main(["calibrate", "--model-path", str(model_dir), "--check", str(stats)]) == 1
+    out = capsys.readouterr().out
+    assert "calibrate --check: FAIL" in out
+    assert "the stats are for 3 layers x 4 attention heads x head_dim 16" in out
+    assert "the model has 2 layers x 4 attention heads x head_dim 16" in out
+    assert f"sglang-evict calibrate --model-path {model_dir} --text FILE" in out
+
+
+def test_check_with_a_held_out_text_reports_how_close_the_mean_queries_are(model_dir, capsys):
+    stats = model_dir / "held.json"
+    assert main([*calibrate_argv(model_dir, stats), "--byte-tokens"]) == 0
+    capsys.readouterr()
+    argv = ["calibrate", "--model-path", str(model_dir), "--check", str(stats)]
+    assert main([*argv, "--text", str(model_dir / "calibration.txt"), "--byte-tokens"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    # The same text as the calibration: the statistics agree exactly.
+    assert line.startswith("calibrate --check: mean-query relative difference")
+    assert "median 0.000, worst 0.000" in line
+
+
+def test_held_out_agreement_is_zero_for_the_same_statistics_and_names_the_worst_head():
+    model = build_tiny_llama(seed=3)
+    text = torch.tensor(list(TEXT.encode())) % model.config.vocab_size
+    stats = calibrate(model, text)
+    same = held_out_agreement(stats, stats)
+    assert (same.median, same.worst) == (0.0, 0.0)
+    other = calibrate(model, torch.arange(200) % model.config.vocab_size)
+    apart = held_out_agreement(stats, other)
+    per_head = torch.hypot(
+        stats.q_mean_real - other.q_mean_real, stats.q_mean_imag - other.q_mean_imag
+    ).norm(dim=-1) / torch.hypot(other.q_mean_real, other.q_mean_imag).norm(dim=-1)
+    layer, head = apart.worst_head
+    assert apart.worst == pytest.approx(float(per_head.max()))
+    assert per_head[layer, head] == per_head.max() and 0 < apart.median <= apart.worst

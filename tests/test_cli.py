@@ -79,57 +79,6 @@ def test_demo_generates_with_eviction_and_holds_less_than_a_full_cache(capsys):
     assert held < full
 
 
-def test_serve_validates_then_launches_sglang_with_the_backend_and_policy(capsys):
-    argv = [
-        "serve",
-        "--kv-budget",
-        "512",
-        "--kv-scorer",
-        "streaming",
-        "--dry-run",
-        "--model-path",
-        "dummy",
-        "--device",
-        "cpu",
-        "--page-size",
-        "16",
-    ]
-    assert main(argv) == 0
-    env_line, command = capsys.readouterr().out.strip().splitlines()[-2:]
-    name, payload = env_line.split("=", 1)
-    assert name == "SGLANG_EVICT_CONFIG"
-    assert json.loads(payload)["kv_budget_tokens"] == 512
-    assert command.endswith(
-        "-m sglang.launch_server --model-path dummy --device cpu --page-size 16 "
-        "--radix-cache-backend sglang-evict"
-    )
-
-
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm is not supported"),
-        (["--enable-mixed-chunk"], "--enable-mixed-chunk is not supported"),
-        (["--disable-radix-cache"], "--disable-radix-cache turns off"),
-        (["--radix-cache-backend", "other"], "selects --radix-cache-backend itself"),
-    ],
-)
-def test_serve_refuses_unsupported_sglang_flags_before_starting(extra, message, capsys):
-    argv = [
-        "serve",
-        "--kv-budget",
-        "512",
-        "--dry-run",
-        "--model-path",
-        "dummy",
-        "--device",
-        "cpu",
-        *extra,
-    ]
-    assert main(argv) == 2
-    assert message in capsys.readouterr().err
-
-
 def test_serve_checks_eviction_flags_before_loading_sglang(capsys):
     assert main(["serve", "--kv-budget", "5", "--model-path", "dummy"]) == 2
     assert "kv_budget_tokens=5" in capsys.readouterr().err

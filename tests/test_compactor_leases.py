@@ -55,15 +55,25 @@ def test_missing_stale_or_superseded_lease_moves_nothing(leases):
     assert unchanged(before, buffers)
 
 
-def test_plan_touching_a_page_pinned_by_another_request_moves_nothing(leases):
+@pytest.mark.parametrize("pinning_holder", ["req:b", "req:a"])
+def test_plan_touching_a_pinned_page_moves_nothing_whoever_pins_it(leases, pinning_holder):
+    """Pins mark shared prefixes, which no pass may move; the claim's holder name is the
+    caller's word, so naming the pinning holder gets no plan past a pin."""
     compactor, plan, before, buffers = setup(leases)
     touched_page = int(plan.dst_slots[0]) // 4
-    leases.pin([touched_page], "req:b")  # e.g. a radix node req:b has locked
+    leases.pin([touched_page], pinning_holder)  # e.g. a radix node a request has locked
     lease = leases.acquire("pool:1:req:a", "scheduler", ttl_ms=10_000)
     with pytest.raises(LeaseRefused, match=re.escape(f"pages [{touched_page}] are pinned")):
-        compactor.compact([plan], LeaseClaim(lease.resource, lease.token, "req:a"))
+        compactor.compact([plan], LeaseClaim(lease.resource, lease.token, pinning_holder))
     assert unchanged(before, buffers)
-    leases.pin([touched_page], "req:a")  # its own pin does not block it
-    leases.unpin([touched_page], "req:b")
+    leases.unpin([touched_page], pinning_holder)
     compactor.compact([plan], LeaseClaim(lease.resource, lease.token, "req:a"))
     assert not unchanged(before, buffers)
+
+
+def test_pinned_lists_pages_anyone_pins(leases):
+    leases.pin([3, 4], "req:a")
+    leases.pin([4, 5], "req:b")
+    assert leases.pinned([2, 3, 4, 5, 6]) == [3, 4, 5]
+    leases.unpin([3, 4], "req:a")
+    assert leases.pinned([3, 4, 5]) == [4, 5]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -54,3 +55,34 @@ def test_missing_stats_file_is_a_clear_error(tmp_path):
             scorer="triattention",
             scorer_params={"stats_path": str(tmp_path / "absent.safetensors")},
         )
+
+
+REDIS_URL = "redis://:hunter2@redis:6379/0"
+
+
+def test_repr_shows_the_redis_url_without_its_password():
+    config = EvictionConfig(kv_budget_tokens=1024, lease_store="redis", redis_url=REDIS_URL)
+    shown = repr(config)
+    assert "hunter2" not in shown and "redis_url='redis://:***@redis:6379/0'" in shown
+    assert shown.startswith("EvictionConfig(kv_budget_tokens=1024, cadence_tokens=128")
+
+
+def test_policy_json_leaves_the_redis_url_to_its_own_variable():
+    config = EvictionConfig(kv_budget_tokens=1024, lease_store="redis", redis_url=REDIS_URL)
+    fields = json.loads(config.to_json())
+    assert "redis_url" not in fields and "page_size" not in fields
+    assert fields["lease_store"] == "redis"
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://:hunter2@host:port/0", r"redis_url: malformed Redis URL 'redis://:\*\*\*@"),
+        ("http://redis:6379", r"redis_url: 'http://redis:6379' is not a Redis URL"),
+        (6379, r"redis_url must be a string"),
+    ],
+)
+def test_malformed_redis_url_is_refused_without_showing_the_password(url, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        EvictionConfig(kv_budget_tokens=1024, lease_store="redis", redis_url=url)
+    assert "hunter2" not in str(refused.value)

@@ -39,7 +39,7 @@ CHART = ROOT / "helm" / "sglang-evict"
 RELEASE = "demo"
 NAMESPACE = "llm"
 FULLNAME = "demo-sglang-evict"
-SOCKET = "/run/sglang-evict/compactor.sock"
+SOCKET = "/run/sglang-evict/compactor/compactor.sock"
 # The Kubernetes version Helm's client-only render reports (Capabilities.KubeVersion of
 # helm-python-sdk 0.2.2), and the oldest ones the chart supports: any placement but
 # sidecar from Chart.yaml's kubeVersion, sidecar (DRA resource.k8s.io/v1) from 1.34.
@@ -764,13 +764,19 @@ def test_tracing_in_sidecar_sets_the_compactor_containers_otel_env(render):
 # --- Redis -----------------------------------------------------------------------------
 
 
+def redis_url_env(container: dict[str, Any]) -> dict[str, Any]:
+    return next(e for e in container["env"] if e["name"] == "SGLANG_EVICT_REDIS_URL")
+
+
 def test_in_chart_redis_by_default(render):
     release = render("defaults")
     url = f"redis://{FULLNAME}-redis:6379/0"
-    compactor, server = split_supervised(release.container("sglang"))
+    _, server = split_supervised(release.container("sglang"))
     assert flag_value(server, "--kv-lease-store") == "redis"
-    assert flag_value(server, "--kv-redis-url") == url
-    assert flag_value(compactor, "--redis-url") == url
+    assert redis_url_env(release.container("sglang")) == {
+        "name": "SGLANG_EVICT_REDIS_URL",
+        "value": url,
+    }
     redis = release.get("Deployment", f"{FULLNAME}-redis")
     container = redis["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"] == {"cpu": "500m", "memory": "256Mi"}
@@ -803,27 +809,54 @@ def test_no_redis_objects_without_the_in_chart_redis(render, values):
     assert redis_objects == []
 
 
-def test_external_redis_url_reaches_both_processes(render):
-    compactor, server = split_supervised(render("redis-external").container("sglang"))
-    assert flag_value(server, "--kv-redis-url") == EXTERNAL_REDIS
-    assert flag_value(compactor, "--redis-url") == EXTERNAL_REDIS
+@pytest.mark.parametrize("placement", ["inContainer", "sidecar"])
+def test_external_redis_url_reaches_both_processes_through_the_environment(render, placement):
+    release = render(
+        {"redis": {"externalUrl": EXTERNAL_REDIS}, "compactor": {"placement": placement}}
+    )
+    containers = [release.container("sglang")]
+    if placement == "sidecar":
+        containers.append(release.container("compactor"))
+    for container in containers:  # inContainer: the compactor inherits the container's env
+        assert redis_url_env(container) == {
+            "name": "SGLANG_EVICT_REDIS_URL",
+            "value": EXTERNAL_REDIS,
+        }
 
 
-def test_external_redis_url_from_a_secret_stays_out_of_the_pod_spec(render):
-    sglang = render("redis-secret").container("sglang")
-    compactor, server = split_supervised(sglang)
-    assert flag_value(server, "--kv-redis-url") == "$(SGLANG_EVICT_REDIS_URL)"
-    assert flag_value(compactor, "--redis-url") == "$(SGLANG_EVICT_REDIS_URL)"
-    assert {
-        "name": "SGLANG_EVICT_REDIS_URL",
-        "valueFrom": {"secretKeyRef": {"name": "redis-url", "key": "url"}},
-    } in sglang["env"]
+@pytest.mark.parametrize("placement", ["inContainer", "sidecar"])
+def test_external_redis_url_from_a_secret_stays_out_of_the_pod_spec(render, placement):
+    values = {
+        "redis": {"externalUrlSecret": {"name": "redis-url", "key": "url"}},
+        "compactor": {"placement": placement},
+    }
+    release = render(values)
+    containers = [release.container("sglang")]
+    if placement == "sidecar":
+        containers.append(release.container("compactor"))
+    for container in containers:
+        assert redis_url_env(container) == {
+            "name": "SGLANG_EVICT_REDIS_URL",
+            "valueFrom": {"secretKeyRef": {"name": "redis-url", "key": "url"}},
+        }
+
+
+@pytest.mark.parametrize("values", sorted(VALUE_SETS))
+def test_no_container_carries_the_redis_url_in_its_arguments(render, values):
+    """The kubelet expands $(VAR) references into the command line, which every user of
+    the node reads in /proc/PID/cmdline: the URL (and its password) goes in env only."""
+    release = render(values)
+    for container in release.pod["containers"] + release.pod.get("initContainers", []):
+        arguments = " ".join(argv(container))
+        assert "redis://" not in arguments and "SGLANG_EVICT_REDIS_URL" not in arguments
+        assert "--redis-url" not in arguments and "--kv-redis-url" not in arguments
 
 
 def test_without_redis_the_in_process_lease_store_is_used(render):
-    compactor, server = split_supervised(render("redis-off").container("sglang"))
+    sglang = render("redis-off").container("sglang")
+    _, server = split_supervised(sglang)
     assert flag_value(server, "--kv-lease-store") == "inprocess"
-    assert "--kv-redis-url" not in server and "--redis-url" not in compactor
+    assert "SGLANG_EVICT_REDIS_URL" not in env_names(sglang)
 
 
 # --- optional objects ------------------------------------------------------------------

@@ -20,7 +20,8 @@ SCHEDULER = textwrap.dedent(
     import torch
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
     from sglang.srt.server_args import ServerArgs
-    from sglang_evict.srt.cpu_driver import MemoryDriver, radix_cache_factory
+    from sglang_evict.srt.backend import radix_cache_factory
+    from sglang_evict.srt.cpu_driver import MemoryDriver
 
     driver = MemoryDriver(page_size=16, num_tokens=2048, num_layers=2, num_kv_heads=2,
                           head_dim=8)
@@ -60,7 +61,7 @@ HTTP_SERVER = textwrap.dedent(
 
 
 def test_pass_metrics_appear_on_sglangs_metrics_route(tmp_path):
-    policy = {"kv_budget_tokens": 48, "cadence_tokens": 16, "window_tokens": 16}
+    policy = {"kv_budget_tokens": 48, "cadence_tokens": 16, "window_tokens": 16, "scorer": "knorm"}
     env = {
         **os.environ,
         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),

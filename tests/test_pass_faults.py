@@ -149,7 +149,7 @@ def test_redis_killed_around_passes_corrupts_nothing_and_frees_no_page_twice(
     (tmp_path / "redis").mkdir()
     redis = RedisServer(tmp_path / "redis").start()
     extra = ("--supervise", "--fault-injection", "5:0.15") if compactor_kills else ()
-    process = CompactorProcess(tmp_path, "--redis-url", redis.url, *extra).start()
+    process = CompactorProcess(tmp_path, *extra, env={"SGLANG_EVICT_REDIS_URL": redis.url}).start()
     try:
         driver = make_driver(
             model,

@@ -16,13 +16,16 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.server_args import ServerArgs
 
 from sglang_evict import metrics as metric_names
+from sglang_evict.calibrate import calibrate
 from sglang_evict.config import EvictionConfig
 from sglang_evict.metrics import EvictionMetrics
+from sglang_evict.reference_model import build_tiny_llama
+from sglang_evict.scorers.triattention_stats import save_stats
 from sglang_evict.srt import SGLANG_VERSION_TARGET, check_sglang_version, version_problem
 from sglang_evict.srt.backend import EvictingRadixCache, _Active, radix_cache_factory
 from sglang_evict.srt.hooks import _after_forward_batch_init_new
-from sglang_evict.srt.server_args import CONFIG_ENV, config_from_env, unsupported_server_args
-from tests.sglang_harness import Engine
+from sglang_evict.srt.server_args import CONFIG_ENV, config_from_env, startup_problems
+from tests.sglang_harness import HEAD_DIM, NUM_HEADS, NUM_LAYERS, Engine
 
 
 def test_entry_point_registers_backend_and_hooks_in_a_fresh_sglang_process():
@@ -77,20 +80,28 @@ def test_other_sglang_versions_are_refused_with_the_fix():
         (dict(strip_thinking_cache=True), "--strip-thinking-cache"),
         (dict(pp_size=2), "--pp-size"),
         (dict(kv_canary="log"), "--kv-canary"),
+        (dict(kv_cache_dtype="mxfp8"), "--kv-cache-dtype mxfp8/"),
+        (dict(disable_radix_cache=True), "--disable-radix-cache"),
     ],
 )
 def test_unsupported_flag_combinations_are_refused_naming_the_flag(flags, named):
     server_args = ServerArgs(model_path="dummy", device="cpu", **flags)
-    problems = unsupported_server_args(server_args, scorer="knorm")
+    problems = startup_problems(server_args, EvictionConfig(kv_budget_tokens=1024, scorer="knorm"))
     assert len(problems) == 1 and named in problems[0]
 
 
-def test_supported_flags_pass_and_tp_needs_a_scorer_whose_ranks_can_agree():
-    assert unsupported_server_args(ServerArgs(model_path="dummy", device="cpu"), "knorm") == []
+def test_supported_flags_pass_and_tp_needs_a_scorer_whose_ranks_can_agree(tmp_path):
+    def problems(server_args, scorer, **params):
+        config = EvictionConfig(kv_budget_tokens=1024, scorer=scorer, scorer_params=params)
+        return startup_problems(server_args, config)
+
+    assert problems(ServerArgs(model_path="dummy", device="cpu"), "knorm") == []
     tp2 = ServerArgs(model_path="dummy", device="cpu", tp_size=2)
     for scorer in ("streaming", "random", "knorm"):  # rank-independent or reduced across ranks
-        assert unsupported_server_args(tp2, scorer=scorer) == []
-    (problem,) = unsupported_server_args(tp2, scorer="triattention")
+        assert problems(tp2, scorer) == []
+    stats = tmp_path / "stats.safetensors"
+    save_stats(calibrate(build_tiny_llama(), torch.arange(32)), stats)
+    (problem,) = problems(tp2, "triattention", stats_path=str(stats))
     assert "--tp-size 2 with --kv-scorer triattention is not supported" in problem
 
 
@@ -155,6 +166,72 @@ def test_backend_refuses_query_reading_scorers_until_the_server_captures_queries
     server_args = ServerArgs(model_path="dummy", device="cpu")
     with pytest.raises(ValueError, match=f"--kv-scorer {scorer} reads queries captured"):
         radix_cache_factory(build_context(engine, server_args))
+
+
+def engine_shaped_llama(num_layers: int = NUM_LAYERS):
+    """A model of the harness engine's heads and head_dim."""
+    return build_tiny_llama(
+        num_layers=num_layers,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_HEADS,
+        hidden_size=NUM_HEADS * HEAD_DIM,
+    )
+
+
+@pytest.fixture(scope="module")
+def engine_model(tmp_path_factory):
+    """An HF model folder of the harness engine's shape (layers, heads, head_dim)."""
+    path = tmp_path_factory.mktemp("engine-model")
+    engine_shaped_llama().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("stats_layers", [NUM_LAYERS, NUM_LAYERS + 1])
+def test_backend_refuses_triattention_stats_of_another_model_naming_both_shapes(
+    monkeypatch, tmp_path, engine_model, stats_layers
+):
+    """Stats of another model would be refused at every decode step; the factory
+    refuses them once, at startup, with the shapes and the calibration command."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    stats = tmp_path / "stats.safetensors"
+    save_stats(calibrate(engine_shaped_llama(stats_layers), torch.arange(32)), stats)
+    policy = {"kv_budget_tokens": 256, "scorer": "triattention"}
+    monkeypatch.setenv(
+        CONFIG_ENV, json.dumps({**policy, "scorer_params": {"stats_path": str(stats)}})
+    )
+    monkeypatch.setattr(_Active, "manager", None)
+    context = build_context(
+        Engine(page_size=16),
+        ServerArgs(model_path="dummy", device="cpu"),
+        model_config=ModelConfig(model_path=str(engine_model)),
+    )
+    if stats_layers == NUM_LAYERS:
+        assert isinstance(radix_cache_factory(context), EvictingRadixCache)
+        return
+    with pytest.raises(ValueError) as refused:
+        radix_cache_factory(context)
+    message = str(refused.value)
+    assert f"stats are for {stats_layers} layers x {NUM_HEADS} attention heads" in message
+    assert f"the model has {NUM_LAYERS} layers x {NUM_HEADS} attention heads" in message
+    assert f"sglang-evict calibrate --model-path {engine_model}" in message
+
+
+def test_backend_refuses_mla_models_before_touching_the_pool(monkeypatch, tmp_path):
+    from sglang.srt.configs.model_config import ModelConfig
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({"kv_budget_tokens": 256}))
+    context = build_context(
+        Engine(page_size=16),
+        ServerArgs(model_path="dummy", device="cpu"),
+        model_config=ModelConfig(model_path=str(tmp_path)),
+    )
+    with pytest.raises(ValueError, match=r"MLA attention .* \(DeepseekV3ForCausalLM\)"):
+        radix_cache_factory(context)
 
 
 def test_forward_batch_hook_adds_each_requests_position_offset(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -92,6 +93,8 @@ def test_model_mismatch_lists_every_difference():
         )
     message = str(error.value)
     for fragment in (
+        "the stats are for 2 layers x 4 attention heads x head_dim 8",
+        "the model has 3 layers x 8 attention heads x head_dim 8",
         "layers: stats have 2, model has 3",
         "attention heads",
         "rope_style",
@@ -99,3 +102,26 @@ def test_model_mismatch_lists_every_difference():
         "re-run calibration",
     ):
         assert fragment in message
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ({"head_dim": "abc"}, "field 'head_dim' must be an integer, got 'abc'"),
+        ({"rope_theta": "inf"}, "field 'rope_theta' must be a finite number, got 'inf'"),
+        ({"rope_theta": "-5"}, "rope_theta=-5.0 must be a positive finite number"),
+        ({"rope_style": "spiral"}, "unknown rope_style 'spiral'"),
+    ],
+)
+def test_safetensors_metadata_of_the_wrong_type_names_the_field(tmp_path, metadata, message):
+    from safetensors.torch import save_file
+
+    from sglang_evict.scorers.triattention_stats import _metadata
+
+    stats = sample_stats()
+    tensors = {n: getattr(stats, n) for n in ("q_mean_real", "q_mean_imag", "q_abs_mean")}
+    path = tmp_path / "stats.safetensors"
+    save_file(tensors, str(path), metadata={**_metadata(stats), **metadata})
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        load_stats(path)
+    assert str(path) in str(refused.value) and "sglang-evict calibrate" in str(refused.value)

@@ -16,15 +16,27 @@ DEVICE_UNSPECIFIED: Device
 DEVICE_CPU: Device
 DEVICE_CUDA: Device
 
+class CudaIpcBuffer(_message.Message):
+    __slots__ = ("mem_handle", "storage_offset_bytes", "storage_size_bytes", "tensor_offset")
+    MEM_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    mem_handle: bytes
+    storage_offset_bytes: int
+    storage_size_bytes: int
+    tensor_offset: int
+    def __init__(self, mem_handle: _Optional[bytes] = ..., storage_offset_bytes: _Optional[int] = ..., storage_size_bytes: _Optional[int] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
+
 class BufferHandle(_message.Message):
-    __slots__ = ("shm_path", "offset_bytes", "cuda_ipc")
+    __slots__ = ("shm_path", "offset_bytes", "cuda")
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
-    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
     shm_path: str
     offset_bytes: int
-    cuda_ipc: bytes
-    def __init__(self, shm_path: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., cuda_ipc: _Optional[bytes] = ...) -> None: ...
+    cuda: CudaIpcBuffer
+    def __init__(self, shm_path: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., cuda: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
 
 class PoolLayout(_message.Message):
     __slots__ = ("num_layers", "num_slots", "num_kv_heads", "head_dim", "dtype", "page_size", "device", "device_index", "k_buffers", "v_buffers")
@@ -58,13 +70,41 @@ class RegisterPoolRequest(_message.Message):
     client_id: str
     def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., client_id: _Optional[str] = ...) -> None: ...
 
+class PoolLimits(_message.Message):
+    __slots__ = ("max_plans_per_call", "max_moves_per_call", "max_message_bytes", "lease_ms")
+    MAX_PLANS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MOVES_PER_CALL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    max_plans_per_call: int
+    max_moves_per_call: int
+    max_message_bytes: int
+    lease_ms: int
+    def __init__(self, max_plans_per_call: _Optional[int] = ..., max_moves_per_call: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
 class RegisterPoolResponse(_message.Message):
+    __slots__ = ("pool_id", "epoch", "limits")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    epoch: int
+    limits: PoolLimits
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., limits: _Optional[_Union[PoolLimits, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
     __slots__ = ("pool_id", "epoch")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_ms",)
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_ms: int
+    def __init__(self, lease_ms: _Optional[int] = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
     __slots__ = ("pool_id", "epoch")
@@ -139,7 +179,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("pools", "passes", "passes_rejected", "slots_moved", "bytes_moved", "kernel_seconds", "epoch_base")
+    __slots__ = ("pools", "passes", "passes_rejected", "slots_moved", "bytes_moved", "kernel_seconds", "epoch_base", "pools_expired")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     PASSES_FIELD_NUMBER: _ClassVar[int]
     PASSES_REJECTED_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +187,7 @@ class StatsResponse(_message.Message):
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     KERNEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_BASE_FIELD_NUMBER: _ClassVar[int]
+    POOLS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     pools: int
     passes: int
     passes_rejected: int
@@ -154,4 +195,5 @@ class StatsResponse(_message.Message):
     bytes_moved: int
     kernel_seconds: float
     epoch_base: int
-    def __init__(self, pools: _Optional[int] = ..., passes: _Optional[int] = ..., passes_rejected: _Optional[int] = ..., slots_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., kernel_seconds: _Optional[float] = ..., epoch_base: _Optional[int] = ...) -> None: ...
+    pools_expired: int
+    def __init__(self, pools: _Optional[int] = ..., passes: _Optional[int] = ..., passes_rejected: _Optional[int] = ..., slots_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., kernel_seconds: _Optional[float] = ..., epoch_base: _Optional[int] = ..., pools_expired: _Optional[int] = ...) -> None: ...

@@ -44,6 +44,11 @@ class CompactorStub:
                 request_serializer=compactor__service_dot_v1_dot_compactor__pb2.UnregisterPoolRequest.SerializeToString,
                 response_deserializer=compactor__service_dot_v1_dot_compactor__pb2.UnregisterPoolResponse.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/sglang_evict.compactor.v1.Compactor/Heartbeat',
+                request_serializer=compactor__service_dot_v1_dot_compactor__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=compactor__service_dot_v1_dot_compactor__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.Compact = channel.unary_unary(
                 '/sglang_evict.compactor.v1.Compactor/Compact',
                 request_serializer=compactor__service_dot_v1_dot_compactor__pb2.CompactRequest.SerializeToString,
@@ -66,6 +71,12 @@ class CompactorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnregisterPool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -95,6 +106,11 @@ def add_CompactorServicer_to_server(servicer, server):
                     servicer.UnregisterPool,
                     request_deserializer=compactor__service_dot_v1_dot_compactor__pb2.UnregisterPoolRequest.FromString,
                     response_serializer=compactor__service_dot_v1_dot_compactor__pb2.UnregisterPoolResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=compactor__service_dot_v1_dot_compactor__pb2.HeartbeatRequest.FromString,
+                    response_serializer=compactor__service_dot_v1_dot_compactor__pb2.HeartbeatResponse.SerializeToString,
             ),
             'Compact': grpc.unary_unary_rpc_method_handler(
                     servicer.Compact,
@@ -161,6 +177,33 @@ class Compactor:
             '/sglang_evict.compactor.v1.Compactor/UnregisterPool',
             compactor__service_dot_v1_dot_compactor__pb2.UnregisterPoolRequest.SerializeToString,
             compactor__service_dot_v1_dot_compactor__pb2.UnregisterPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang_evict.compactor.v1.Compactor/Heartbeat',
+            compactor__service_dot_v1_dot_compactor__pb2.HeartbeatRequest.SerializeToString,
+            compactor__service_dot_v1_dot_compactor__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,7 +44,7 @@ def _eval(args: argparse.Namespace) -> int:
     import time
 
     if args.render_only:
-        return _render(Path(args.out))
+        return _render(Path(args.out), wall_s=None)
     if not torch_cuda_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before SGLang is imported
     from sglang_evict.quality import harness
@@ -100,14 +100,16 @@ def _eval(args: argparse.Namespace) -> int:
         results["kvpress"] = _run_kvpress(args, settings, out, results)
     results["wall_s"] = round(time.perf_counter() - start, 1)
     harness.write_results(results, out / "results.json")
-    return _render(out)
+    return _render(out, wall_s=results["wall_s"])
 
 
-def _render(out: Path) -> int:
-    """results.png and results.md from ``out/results.json``; prints the table."""
+def _render(out: Path, wall_s: float | None) -> int:
+    """results.png and results.md from ``out/results.json``; prints the table. ``wall_s``:
+    this run's eval wall time, None when only redrawing (nothing was run or written
+    to results.json)."""
     from sglang_evict.quality import report
 
-    results = report.load_results(out / "results.json")
+    results = report.load_results(out / "results.json", for_rendering=True)
     png_path = report.plot(results, out / "results.png")
     table = report.markdown_table(results)
     (out / "results.md").write_text(table, encoding="utf-8")
@@ -117,10 +119,13 @@ def _render(out: Path) -> int:
             f"skipped {skip['engine']} {skip['method']} budget {skip['budget_fraction']}: "
             f"{skip['reason']}"
         )
-    print(
-        f"wrote {out / 'results.json'}, {png_path}, {out / 'results.md'} "
-        f"(eval wall time {results['wall_s']:.0f} s)"
-    )
+    if wall_s is None:
+        print(f"redrew {png_path} and {out / 'results.md'} from {out / 'results.json'}")
+    else:
+        print(
+            f"wrote {out / 'results.json'}, {png_path}, {out / 'results.md'} "
+            f"(eval wall time {wall_s:.0f} s)"
+        )
     return 0
 
 

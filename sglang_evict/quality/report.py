@@ -14,9 +14,10 @@ from pathlib import Path
 from sglang_evict.quality.harness import ENGINE, FULL_CACHE, RESULTS_FORMAT
 
 
-def load_results(path: str | Path) -> dict:
-    """A results document; a missing file, bad JSON or another format raise
-    ``FileNotFoundError``/``ValueError`` saying which and how to get a good one."""
+def load_results(path: str | Path, *, for_rendering: bool = False) -> dict:
+    """A results document; a missing file, bad JSON, another format or an entry field of
+    the wrong type raise ``FileNotFoundError``/``ValueError`` saying which and how to get
+    a good one. ``for_rendering`` also requires what the table and the plot read."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -24,7 +25,7 @@ def load_results(path: str | Path) -> dict:
         )
     try:
         results = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"results file {path} is not valid JSON: {error}") from None
     if not isinstance(results, dict) or results.get("format") != RESULTS_FORMAT:
         raise ValueError(
@@ -34,12 +35,111 @@ def load_results(path: str | Path) -> dict:
     entries = results.get("entries")
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError(f"results file {path} has no list of entries")
-    required = ("engine", "method", "budget_fraction", "step_accuracy", "relative_step_accuracy")
     for i, entry in enumerate(entries):
-        missing = [k for k in required if k not in entry]
+        fields = dict(_ENTRY_FIELDS)
+        if for_rendering:
+            fields |= _RENDERED_ENTRY_FIELDS
+            fields |= _PEER_FIELDS if entry.get("engine") == "kvpress" else _PAGED_FIELDS
+        missing = [k for k in fields if k not in entry]
         if missing:
             raise ValueError(f"results file {path}: entry {i} lacks {missing}")
+        for name, (is_valid, expected) in {**fields, **_OPTIONAL_ENTRY_FIELDS}.items():
+            if name in entry and not is_valid(entry[name]):
+                raise ValueError(
+                    f"results file {path}: entry {i} field {name!r} must be {expected}, got "
+                    f"{entry[name]!r}; regenerate it with `sglang-evict eval --out DIR`"
+                )
+    settings = results.get("settings")
+    task = settings.get("task") if isinstance(settings, dict) else None
+    if for_rendering and not (
+        isinstance(task, dict)
+        and set(_TASK_FIELDS) <= set(task)
+        and "num_sequences_per_variant" in settings
+    ):
+        raise ValueError(
+            f"results file {path} lacks settings.task {list(_TASK_FIELDS)} or "
+            f"settings.num_sequences_per_variant (what it measured); regenerate it with "
+            f"`sglang-evict eval --out DIR`"
+        )
     return results
+
+
+def _number(low: float, high: float | None = None, *, low_open: bool = False):
+    def is_valid(value) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        above = value > low if low_open else value >= low
+        return math.isfinite(value) and above and (high is None or value <= high)
+
+    return is_valid
+
+
+def _string(value) -> bool:
+    return isinstance(value, str)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# field -> (check, what it must be): what the gate reads, what the table and plot read.
+_ENTRY_FIELDS = {
+    "engine": (_string, "a string"),
+    "method": (_string, "a string"),
+    "budget_fraction": (_number(0, 1, low_open=True), "a number in (0, 1]"),
+    "step_accuracy": (_number(0, 1), "a number in [0, 1]"),
+    "relative_step_accuracy": (
+        lambda v: v is None or _number(0)(v),
+        "a number >= 0 or null (full cache scored 0)",
+    ),
+}
+_TASK_FIELDS = ("variants", "num_facts", "num_distractors", "chain_steps", "total_tokens")
+_RENDERED_ENTRY_FIELDS = {
+    "budget_tokens": (_count, "an integer >= 0"),
+    "exact_match": (_number(0, 1), "a number in [0, 1]"),
+}
+_PAGED_FIELDS = {
+    "page_size": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
+    "peak_pages_held": (_number(0), "a number >= 0"),
+    "pages_freed": (_number(0), "a number >= 0"),
+}
+_PEER_FIELDS = {"peak_tokens_held": (_number(0), "a number >= 0")}
+_OPTIONAL_ENTRY_FIELDS = {
+    "page_size": (lambda v: v is None or (_count(v) and v >= 1), "an integer >= 1 or null"),
+    "budget_tokens": (_count, "an integer >= 0"),
+}
+
+
+def best_scorer(results: dict, scorers) -> str:
+    """Of ``scorers``, the one with the highest step accuracy at the largest evicting
+    budget the results hold (plugin engine, mean over page sizes); ties go to the name
+    first in order. This is the rule that chose ``config.DEFAULT_SCORER``.
+
+    Why that budget: it is where the scorers that need no calibration are usable at all
+    in the committed results (at 25 % none of them answers more than 16 % of the steps,
+    and their order there says little about a deployment that keeps enough KV)."""
+    scorers = list(scorers)
+    ours = [
+        e
+        for e in results["entries"]
+        if e["engine"] == ENGINE and e["method"] in scorers and e["budget_fraction"] < 1
+    ]
+    missing = sorted(set(scorers) - {e["method"] for e in ours})
+    if missing:
+        raise ValueError(f"the results hold no evicting entries for scorer(s) {missing}")
+    largest = max(e["budget_fraction"] for e in ours)
+
+    def accuracy(scorer: str) -> float:
+        values = [
+            e["step_accuracy"]
+            for e in ours
+            if e["method"] == scorer and math.isclose(e["budget_fraction"], largest)
+        ]
+        if not values:
+            raise ValueError(f"scorer {scorer} was not measured at budget {largest:g}")
+        return sum(values) / len(values)
+
+    return max(sorted(scorers), key=accuracy)
 
 
 def scorer_of(method: str) -> str:

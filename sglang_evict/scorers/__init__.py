@@ -37,6 +37,12 @@ def scorer_parameters(name: str) -> list[str]:
     return [f.name for f in dataclasses.fields(SCORERS[name]) if f.init and f.name != "stats"]
 
 
+def needs_calibration(name: str) -> bool:
+    """Whether scorer ``name`` reads an offline statistics file (``stats_path``, from
+    ``sglang-evict calibrate``) and so cannot run without one."""
+    return name in SCORERS and "stats_path" in scorer_parameters(name)
+
+
 def build_scorer(name: str, params: Mapping[str, Any] | None = None) -> Scorer:
     """Construct a registered scorer; unknown names or parameters raise ``ValueError``."""
     if name not in SCORERS:
@@ -55,5 +61,6 @@ __all__ = [
     "Scorer",
     "aggregate_head_scores",
     "build_scorer",
+    "needs_calibration",
     "scorer_parameters",
 ]

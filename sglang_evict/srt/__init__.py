@@ -78,6 +78,12 @@ def install() -> None:
         _after_forward_batch_init_new,
         _before_prepare_for_decode,
     )
+    from sglang_evict.srt.introspection import (
+        HOOK_INTERNAL_STATE,
+        HOOK_ON_IDLE,
+        _after_get_internal_state,
+        _after_on_idle,
+    )
     from sglang_evict.srt.server_args import BACKEND_NAME
 
     if BACKEND_NAME in registered_radix_cache_backends():
@@ -85,3 +91,5 @@ def install() -> None:
     register_radix_cache_backend(BACKEND_NAME, radix_cache_factory)
     HookRegistry.register(HOOK_PREPARE_FOR_DECODE, _before_prepare_for_decode, HookType.BEFORE)
     HookRegistry.register(HOOK_FORWARD_BATCH_INIT, _after_forward_batch_init_new, HookType.AFTER)
+    HookRegistry.register(HOOK_INTERNAL_STATE, _after_get_internal_state, HookType.AFTER)
+    HookRegistry.register(HOOK_ON_IDLE, _after_on_idle, HookType.AFTER)

@@ -12,9 +12,10 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from torch import Tensor
 
 from sglang_evict.config import EvictionConfig
+from sglang_evict.srt.introspection import PassTotals
 from sglang_evict.srt.manager import forward_stream_of, make_manager
 from sglang_evict.srt.pools import free_slots
-from sglang_evict.srt.server_args import config_from_env, unsupported_server_args
+from sglang_evict.srt.server_args import check_startup, config_from_env, model_facts_of_context
 from sglang_evict.srt.tp import TP_REDUCED_SCORERS, tp_score_reducer
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ class _Active:
 
     manager = None
     metrics = None
+    totals = PassTotals()
 
 
 class EvictingRadixCache(RadixCache):
@@ -151,23 +153,7 @@ class EvictingRadixCache(RadixCache):
 def radix_cache_factory(ctx) -> EvictingRadixCache:
     """The factory registered as ``--radix-cache-backend sglang-evict``."""
     config = config_from_env(ctx.params.page_size)
-    problems = unsupported_server_args(ctx.server_args, config.scorer)
-    if config.make_scorer().needs_queries:
-        problems.append(
-            f"--kv-scorer {config.scorer} reads queries captured inside the attention "
-            f"forward, which the server path does not capture yet; use knorm, streaming "
-            f"or triattention"
-        )
-    for flag, reason in (
-        (ctx.is_hybrid_swa, "sliding-window (hybrid SWA) models"),
-        (ctx.is_hybrid_ssm, "hybrid SSM/linear-attention models"),
-        (ctx.is_dsa, "DeepSeek sparse-attention models"),
-        (ctx.enable_hierarchical_cache, "--enable-hierarchical-cache"),
-    ):
-        if flag:
-            problems.append(f"sglang-evict does not support {reason} yet")
-    if problems:
-        raise ValueError("; ".join(problems))
+    check_startup(ctx.server_args, config, model_facts_of_context(ctx))
     cache = EvictingRadixCache(ctx.params, config)
     # Passes wait, on the device, for the in-flight forward on this stream.
     cache.evictor.forward_stream = forward_stream_of(ctx.tp_worker)

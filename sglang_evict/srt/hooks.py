@@ -43,6 +43,7 @@ import torch
 
 from sglang_evict.evictor import DueRequest, EvictionManager, PassResult
 from sglang_evict.srt.backend import EvictingRadixCache, _Active
+from sglang_evict.srt.introspection import log_pass, log_passes_enabled
 from sglang_evict_kernels import device_int64
 
 logger = logging.getLogger(__name__)
@@ -98,10 +99,13 @@ def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
     if not due:
         return []
     manager.order_after_forward()
+    log_lines = log_passes_enabled()
+    free_slots_before = manager.pool.allocator.available_size() if log_lines else 0
     try:
         results = manager.run_batch_pass([d for _, d in due])
     except (ValueError, RuntimeError) as error:
         logger.error("sglang-evict: pass for %d request(s) skipped: %s", len(due), error)
+        _Active.totals.pass_failures += len(due)
         if _Active.metrics is not None:
             _Active.metrics.record_failure(manager.config.compaction)
             _Active.metrics.record_manager(manager)
@@ -120,6 +124,18 @@ def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
         if lengths is not None:  # a new tensor of the same device and dtype
             setattr(batch, name, lengths - _on(shrink, lengths))
     batch.seq_lens_sum = None
+    _Active.totals.add(results)
+    if log_lines and results:  # allocator counts are host lengths: no device read
+        logged = [
+            {
+                "rid": r.rid,
+                "tokens_before": r.tokens_before,
+                "tokens_after": r.tokens_after,
+                "pages_freed": r.pages_freed,
+            }
+            for r in results
+        ]
+        log_pass(logged, free_slots_before, manager.pool.allocator.available_size())
     if _Active.metrics is not None:
         duration_s = results[0].duration_s if results else 0.0
         _Active.metrics.record_batch(results, manager.config.kv_budget_tokens, duration_s)

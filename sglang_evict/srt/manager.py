@@ -12,6 +12,7 @@ from compactor_service.client import FallbackCompactor, GrpcCompactor
 from compactor_service.compactor import Compactor, InProcessCompactor
 from compactor_service.health import socket_target
 from compactor_service.leases import InProcessLeaseStore, LeaseStore
+from compactor_service.tls import channel_credentials, parse_tcp_address
 from sglang_evict.config import EvictionConfig
 from sglang_evict.evictor import EvictionManager
 from sglang_evict.srt.pools import SGLangPoolAccess, share_kv_pool
@@ -41,10 +42,17 @@ def make_compactor(
     fallback = InProcessCompactor(
         pool.k_buffers, pool.v_buffers, leases=leases, page_size=pool.page_size
     )
+    target = socket_target(config.compactor_socket)
+    if config.compactor_address is not None:
+        target = parse_tcp_address(config.compactor_address, "--kv-compactor-address").target
+    credentials = channel_credentials(
+        config.compactor_tls_ca,
+        config.compactor_tls_cert,
+        config.compactor_tls_key,
+        flag_prefix="--kv-compactor-tls",
+    )
     sidecar = GrpcCompactor(
-        socket_target(config.compactor_socket),
-        layout,
-        timeout_s=config.compactor_timeout_ms / 1000,
+        target, layout, timeout_s=config.compactor_timeout_ms / 1000, credentials=credentials
     )
     return FallbackCompactor(sidecar, fallback, mode=config.compactor_fallback)
 

@@ -8,11 +8,8 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from torch import Tensor
 
-from compactor_service.shared_pool import (
-    PoolLayout,
-    create_shared_buffers,
-    export_cuda_buffers,
-)
+from compactor_service.cuda_ipc import export_cuda_buffers
+from compactor_service.shared_pool import PoolLayout, create_shared_buffers
 
 
 class SGLangPoolAccess:
@@ -103,8 +100,9 @@ def share_kv_pool(kv_pool: MHATokenToKVPool, shm_dir: str) -> tuple[PoolLayout, 
     and the owner of the shared memory (``close()`` removes it).
 
     CUDA: the buffers stay where they are and are exported by IPC handle. CPU: the
-    buffers move into one tmpfs file (contents copied) and the pool's per-layer lists
-    and pointer tables are re-pointed at it — done at start-up, before any forward.
+    buffers move into one file of the pool directory ``shm_dir`` (contents copied; the
+    compactor maps files from that directory only) and the pool's per-layer lists and
+    pointer tables are re-pointed at it — done at start-up, before any forward.
     """
     if kv_pool.head_dim != kv_pool.v_head_dim:
         raise ValueError("the compactor sidecar needs equal K and V head dims (MHA)")

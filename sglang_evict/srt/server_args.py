@@ -1,23 +1,62 @@
-"""The server side of the policy: how it reaches SGLang's processes, and which SGLang
-flags the plugin refuses (by flag, with the reason and the fix)."""
+"""The server side of the policy: how it reaches SGLang's processes, which scorers a
+server runs, and what the plugin refuses at startup.
+
+``startup_problems`` is the one list of refusals. Two callers run it on the same inputs:
+
+    caller                                   server args         model facts
+    radix_cache_factory (each scheduler)     the server's        its ModelConfig + SGLang's
+                                                                 hybrid/DSA verdicts
+    sglang-evict serve (--dry-run too),      parsed by SGLang's  ModelConfig built from the
+    before anything starts                   own parser          local folder's config.json
+
+so a dry run passes exactly what a server starts with, on a machine without a GPU and
+without the network.
+"""
 
 from __future__ import annotations
 
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
 from sglang_evict.config import EvictionConfig
+from sglang_evict.scorers import SCORERS
 from sglang_evict.srt.tp import RANK_INDEPENDENT_SCORERS, TP_REDUCED_SCORERS
 
 BACKEND_NAME = "sglang-evict"
 # The policy reaches SGLang's scheduler processes through the environment (they inherit
-# it from `sglang-evict serve`): a JSON object of EvictionConfig fields, page size excluded.
+# it from `sglang-evict serve`): a JSON object of EvictionConfig fields, page size and
+# the Redis URL excluded (that one travels in $SGLANG_EVICT_REDIS_URL).
 CONFIG_ENV = "SGLANG_EVICT_CONFIG"
+
+# Whether the server captures queries inside the engine's attention forward, which the
+# query-reading scorers (``window``, ``rkv``) need. Not wired yet (the CPU reference loop
+# has it); when it is, this is the one line that changes.
+SERVER_CAPTURES_QUERIES = False
+
+# KV cache dtypes whose pools keep block scales beside the values (MHATokenToKVPoolMXFP8,
+# MHATokenToKVPoolFP4): compaction moves the values only, so these are refused.
+BLOCK_SCALED_KV_DTYPES = ("mxfp8", "nvfp4", "fp4_mx_block16", "fp4_e2m1")
+
+
+def server_scorers() -> tuple[str, ...]:
+    """The scorers a server runs: every registered one, less those reading captured
+    queries while the server does not capture them."""
+    return tuple(
+        name for name, cls in SCORERS.items() if SERVER_CAPTURES_QUERIES or not cls.needs_queries
+    )
 
 
 def config_from_env(page_size: int, environ: dict | None = None) -> EvictionConfig:
-    """Read the policy that `sglang-evict serve` put in ``SGLANG_EVICT_CONFIG``."""
+    """Read the policy that `sglang-evict serve` put in ``SGLANG_EVICT_CONFIG`` (and the
+    Redis URL in ``SGLANG_EVICT_REDIS_URL``)."""
     import json
     import os
 
-    raw = (environ if environ is not None else os.environ).get(CONFIG_ENV)
+    from compactor_service.secrets import resolve_redis_url
+
+    environ = os.environ if environ is None else environ
+    raw = environ.get(CONFIG_ENV)
     if not raw:
         raise ValueError(
             f"--radix-cache-backend {BACKEND_NAME} needs an eviction policy: start the server "
@@ -31,83 +70,312 @@ def config_from_env(page_size: int, environ: dict | None = None) -> EvictionConf
     if not isinstance(fields, dict):
         raise ValueError(f"{CONFIG_ENV} must hold a JSON object of eviction settings")
     fields.pop("page_size", None)
+    if fields.get("redis_url") is None:
+        fields["redis_url"] = resolve_redis_url(environ=environ)
     try:
         return EvictionConfig(**fields, page_size=page_size)
     except TypeError as error:
         raise ValueError(f"{CONFIG_ENV}: {error}") from None
 
 
-def unsupported_server_args(server_args, scorer: str | None = None) -> list[str]:
-    """Messages naming each SGLang flag this plugin cannot run with (empty if fine)."""
-    problems = []
-    refusals = (
-        (
-            "speculative_algorithm",
-            lambda v: v is not None,
-            "--speculative-algorithm",
-            "speculative decoding derives draft positions from KV lengths",
-        ),
-        (
-            "enable_mixed_chunk",
-            bool,
-            "--enable-mixed-chunk",
-            "mixed chunks recompute running requests' KV lengths from token counts",
-        ),
-        (
-            "enable_hierarchical_cache",
-            bool,
-            "--enable-hierarchical-cache",
-            "the host-memory tier would offload compacted rows as if they were token rows",
-        ),
-        (
-            "enable_streaming_session",
-            bool,
-            "--enable-streaming-session",
-            "streaming sessions restore KV lengths from token counts across turns",
-        ),
-        (
-            "strip_thinking_cache",
-            bool,
-            "--strip-thinking-cache",
-            "it also rewrites which KV a finished request hands to the tree",
-        ),
-        ("enable_lmcache", bool, "--enable-lmcache", "it selects its own radix cache"),
-        ("enable_flexkv", bool, "--enable-flexkv", "it selects its own radix cache"),
-        (
-            "kv_canary",
-            lambda v: v not in (None, "none"),
-            "--kv-canary",
-            "it verifies row i against token i",
-        ),
-        (
-            "pp_size",
-            lambda v: v is not None and v > 1,
-            "--pp-size > 1",
-            "pipeline stages would each need the same survivors",
-        ),
-        (
-            "disaggregation_mode",
-            lambda v: v not in (None, "null"),
-            "--disaggregation-mode",
-            "transferred KV assumes token rows",
-        ),
+# --- what the plugin refuses -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the startup checks need to know about the served model.
+
+    Attributes:
+        path: the model folder (or hub id) SGLang loads; named in messages.
+        architectures: the config's ``architectures``.
+        is_mla, is_hybrid_swa, is_hybrid_ssm, is_dsa: SGLang's verdicts (MLA attention,
+            sliding-window/full hybrid, SSM/linear-attention hybrid, DeepSeek sparse
+            attention), each of which selects a KV pool other than ``MHATokenToKVPool``.
+        hf_text_config: the HF config the model's shape is read from (layers, heads,
+            head_dim, RoPE base: ``triattention_stats.model_shape_of``); None when not
+            known (a cache built without a model config, as unit tests build one).
+    """
+
+    path: str
+    architectures: tuple[str, ...] = ()
+    is_mla: bool = False
+    is_hybrid_swa: bool = False
+    is_hybrid_ssm: bool = False
+    is_dsa: bool = False
+    hf_text_config: object = None
+
+
+def model_facts(
+    model_config, *, is_hybrid_swa: bool, is_hybrid_ssm: bool, is_dsa: bool
+) -> ModelFacts:
+    """Facts from SGLang's ``ModelConfig`` plus the hybrid/DSA verdicts."""
+    from sglang.srt.configs.model_config import AttentionArch
+
+    return ModelFacts(
+        path=str(model_config.model_path),
+        architectures=tuple(getattr(model_config.hf_config, "architectures", None) or ()),
+        is_mla=model_config.attention_arch == AttentionArch.MLA,
+        is_hybrid_swa=is_hybrid_swa,
+        is_hybrid_ssm=is_hybrid_ssm,
+        is_dsa=is_dsa,
+        hf_text_config=model_config.hf_text_config,
     )
-    for attribute, is_set, flag, why in refusals:
+
+
+def model_facts_of_context(ctx) -> ModelFacts:
+    """The served model as a scheduler's radix-cache build context describes it."""
+    verdicts = dict(
+        is_hybrid_swa=bool(ctx.is_hybrid_swa),
+        is_hybrid_ssm=bool(ctx.is_hybrid_ssm),
+        is_dsa=bool(ctx.is_dsa),
+    )
+    if ctx.model_config is None:
+        return ModelFacts(path=str(getattr(ctx.server_args, "model_path", "")), **verdicts)
+    return model_facts(ctx.model_config, **verdicts)
+
+
+def model_facts_from_server_args(server_args) -> ModelFacts:
+    """Facts as a scheduler derives them, from SGLang's ``ModelConfig`` of the model
+    (config.json only: no weights, tokenizer or, for a local folder, network). The
+    hybrid and DSA verdicts are the expressions of SGLang 0.5.17's ``build_kv_cache``."""
+    from sglang.srt.configs.hybrid_arch import (
+        hybrid_gdn_config,
+        hybrid_lightning_config,
+        kimi_linear_config,
+        linear_attn_model_spec,
+        mamba2_config,
+    )
+    from sglang.srt.configs.model_config import ModelConfig, is_deepseek_dsa
+
+    from sglang_evict.calibrate import first_line
+
+    try:
+        model_config = ModelConfig.from_server_args(server_args)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"--model-path {server_args.model_path}: SGLang cannot read the model's "
+            f"config.json ({first_line(error)})"
+        ) from None
+    spec = linear_attn_model_spec(model_config)
+    is_hybrid_ssm = any(
+        (
+            hybrid_gdn_config(model_config) is not None,
+            mamba2_config(model_config) is not None,
+            spec is not None and spec.uses_mamba_radix_cache,
+            kimi_linear_config(model_config) is not None,
+            hybrid_lightning_config(model_config) is not None,
+        )
+    )
+    return model_facts(
+        model_config,
+        is_hybrid_swa=bool(model_config.is_hybrid_swa),
+        is_hybrid_ssm=is_hybrid_ssm,
+        is_dsa=bool(is_deepseek_dsa(model_config.hf_config)),
+    )
+
+
+_FLAG_REFUSALS = (
+    (
+        "speculative_algorithm",
+        lambda v: v is not None,
+        "--speculative-algorithm",
+        "speculative decoding derives draft positions from KV lengths",
+    ),
+    (
+        "enable_mixed_chunk",
+        bool,
+        "--enable-mixed-chunk",
+        "mixed chunks recompute running requests' KV lengths from token counts",
+    ),
+    (
+        "enable_hierarchical_cache",
+        bool,
+        "--enable-hierarchical-cache",
+        "the host-memory tier would offload compacted rows as if they were token rows",
+    ),
+    (
+        "enable_streaming_session",
+        bool,
+        "--enable-streaming-session",
+        "streaming sessions restore KV lengths from token counts across turns",
+    ),
+    (
+        "strip_thinking_cache",
+        bool,
+        "--strip-thinking-cache",
+        "it also rewrites which KV a finished request hands to the tree",
+    ),
+    ("enable_lmcache", bool, "--enable-lmcache", "it selects its own radix cache"),
+    ("enable_flexkv", bool, "--enable-flexkv", "it selects its own radix cache"),
+    (
+        "kv_canary",
+        lambda v: v not in (None, "none"),
+        "--kv-canary",
+        "it verifies row i against token i",
+    ),
+    (
+        "pp_size",
+        lambda v: v is not None and v > 1,
+        "--pp-size > 1",
+        "pipeline stages would each need the same survivors",
+    ),
+    (
+        "disaggregation_mode",
+        lambda v: v not in (None, "null"),
+        "--disaggregation-mode",
+        "transferred KV assumes token rows",
+    ),
+    (
+        "kv_cache_dtype",
+        lambda v: v in BLOCK_SCALED_KV_DTYPES,
+        "--kv-cache-dtype " + "/".join(BLOCK_SCALED_KV_DTYPES),
+        "block-scaled pools keep scales beside the values, which compaction does not move",
+    ),
+)
+
+_MODEL_REFUSALS = (
+    ("is_mla", "MLA attention (DeepSeek V2/V3/R1, Kimi K2 and others; MLATokenToKVPool)"),
+    ("is_hybrid_swa", "sliding-window (hybrid SWA) models"),
+    ("is_hybrid_ssm", "hybrid SSM/linear-attention models"),
+    ("is_dsa", "DeepSeek sparse-attention models"),
+)
+
+
+def startup_problems(
+    server_args, config: EvictionConfig, model: ModelFacts | None = None
+) -> list[str]:
+    """Every reason the plugin cannot run this server: one message per problem, naming
+    the flag (or model property) and the fix; empty when it can. ``model`` None: the
+    model is not known, so only the flags and the policy are checked."""
+    problems = []
+    for attribute, is_set, flag, why in _FLAG_REFUSALS:
         if is_set(getattr(server_args, attribute, None)):
             problems.append(f"{flag} is not supported with sglang-evict yet ({why}); remove it")
+    if getattr(server_args, "disable_radix_cache", False):
+        problems.append(
+            "--disable-radix-cache turns off the cache sglang-evict works inside; remove it"
+        )
+    scorer = config.scorer
+    runnable = server_scorers()
+    if scorer not in runnable:
+        problems.append(
+            f"--kv-scorer {scorer} reads queries captured inside the attention forward, which "
+            f"the server does not capture yet; use one of {list(runnable)}"
+        )
     tp_size = getattr(server_args, "tp_size", 1) or 1
     supported_under_tp = RANK_INDEPENDENT_SCORERS + TP_REDUCED_SCORERS
-    if tp_size > 1 and scorer is not None and scorer not in supported_under_tp:
+    if tp_size > 1 and scorer not in supported_under_tp:
         problems.append(
             f"--tp-size {tp_size} with --kv-scorer {scorer} is not supported yet (each rank "
             f"holds different KV heads and this scorer's per-rank inputs are not split "
             f"yet); use --kv-scorer {' or '.join(supported_under_tp)}, or --tp-size 1"
         )
+    if model is not None:
+        problems.extend(_model_problems(config, model))
     return problems
 
 
-def parse_server_args(argv: list[str]):
-    """SGLang's own parsing of ``sglang.launch_server`` arguments into ``ServerArgs``."""
+def _model_problems(config: EvictionConfig, model: ModelFacts) -> list[str]:
+    from sglang_evict.calibrate import check_stats_fit_model
+
+    refused = [what for attribute, what in _MODEL_REFUSALS if getattr(model, attribute)]
+    if refused:
+        names = ", ".join(model.architectures) or model.path
+        return [
+            f"sglang-evict does not support {' or '.join(refused)} yet ({names}): it needs an "
+            f"MHA/GQA model whose KV lives in MHATokenToKVPool (see README, Supported models)"
+        ]
+    stats = getattr(config.make_scorer(), "stats", None)
+    if stats is None or model.hf_text_config is None:
+        return []
+    try:
+        check_stats_fit_model(stats, model.hf_text_config, model.path)
+    except ValueError as error:
+        return [f"--kv-scorer-stats {config.scorer_params.get('stats_path')}: {error}"]
+    return []
+
+
+def check_startup(server_args, config: EvictionConfig, model: ModelFacts | None) -> None:
+    """``ValueError`` listing ``startup_problems`` when there are any."""
+    problems = startup_problems(server_args, config, model)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+# --- parsing sglang.launch_server's arguments -------------------------------------------
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """SGLang's parser with errors raised as ``ValueError`` (one line), not printed
+    after a usage text of several hundred flags."""
+
+    def error(self, message: str):
+        raise ValueError(
+            f"{message} (sglang.launch_server flags; see `python -m sglang.launch_server --help`)"
+        )
+
+
+def _raw_server_args(argv: list[str]) -> argparse.Namespace:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = _OneLineParser(prog="sglang.launch_server", add_help=False)
+    ServerArgs.add_cli_args(parser)
+    if "--config" in argv:
+        from sglang.srt.server_args_config_parser import ConfigArgumentMerger
+
+        argv = ConfigArgumentMerger(parser).merge_config_with_args(list(argv))
+    return parser.parse_args(list(argv))
+
+
+def no_accelerator() -> bool:
+    """True when SGLang would find no device to pick without ``--device``."""
+    from sglang.srt.utils.common import get_device
+
+    try:
+        get_device()
+    except RuntimeError:
+        return True
+    return False
+
+
+def parse_server_args(argv: list[str], *, dry_run: bool = False):
+    """SGLang's own parsing of ``sglang.launch_server`` arguments into ``ServerArgs``,
+    after the checks that would otherwise end in a traceback or a download: a flag
+    SGLang's parser rejects, no accelerator and no ``--device``, and (``dry_run``) a
+    model that is not a local folder; and selects the plugin's radix cache itself, so
+    SGLang validates the exact command that will run. Raises ``ValueError`` (one line)."""
+    raw = _raw_server_args(argv)
+    if raw.radix_cache_backend is not None:
+        raise ValueError(
+            f"sglang-evict serve selects --radix-cache-backend {BACKEND_NAME} itself; remove "
+            f"--radix-cache-backend {raw.radix_cache_backend}"
+        )
+    if dry_run:
+        folder = Path(raw.model_path)
+        if not folder.is_dir():
+            raise ValueError(
+                f"--model-path {raw.model_path}: not a local folder; the dry run reads the "
+                f"model's config.json and never downloads: pass a local model folder (e.g. "
+                f"`hf download {raw.model_path} --include config.json --local-dir DIR`)"
+            )
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"--model-path {raw.model_path}: the folder has no config.json")
+    if raw.device is None and no_accelerator():
+        raise ValueError(
+            "no accelerator (CUDA, XPU, HPU, NPU, MUSA, MPS) on this machine for SGLang to "
+            "pick: add --device cpu to validate (or serve) on CPU, or run where the GPU is"
+        )
     from sglang.srt.server_args import prepare_server_args
 
-    return prepare_server_args(list(argv))
+    from sglang_evict.calibrate import first_line
+
+    try:
+        return prepare_server_args([*argv, *backend_flags()])
+    except (ValueError, AssertionError, NotImplementedError, RuntimeError) as error:
+        # SGLang's own validation of the combination (it asserts some of it).
+        raise ValueError(f"SGLang refuses these arguments: {first_line(error)}") from None
+
+
+def backend_flags() -> list[str]:
+    """What `sglang-evict serve` appends to SGLang's arguments."""
+    return ["--radix-cache-backend", BACKEND_NAME]

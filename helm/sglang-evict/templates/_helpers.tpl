@@ -74,8 +74,13 @@ app.kubernetes.io/part-of: sglang-evict
 {{- if and .Values.compactor.enabled (eq .Values.compactor.placement "sidecar") -}}true{{- end -}}
 {{- end -}}
 
+{{/*
+The compactor's socket: in a subdirectory of the socket emptyDir, which the compactor
+creates 0700 itself. An emptyDir is mode 0777, and the compactor refuses a socket
+directory others can write (they could replace the socket).
+*/}}
 {{- define "sglang-evict.socketPath" -}}
-{{- printf "%s/compactor.sock" (trimSuffix "/" .Values.compactor.socketDir) -}}
+{{- printf "%s/compactor/compactor.sock" (trimSuffix "/" .Values.compactor.socketDir) -}}
 {{- end -}}
 
 {{/* "true" when the in-chart Redis is deployed (an external URL replaces it). */}}
@@ -88,32 +93,34 @@ app.kubernetes.io/part-of: sglang-evict
 {{- if or .Values.redis.enabled .Values.redis.externalUrl .Values.redis.externalUrlSecret.name -}}true{{- end -}}
 {{- end -}}
 
-{{/* Environment variable carrying the Redis URL when it comes from a Secret. */}}
+{{/* Environment variable carrying the Redis URL to both processes. */}}
 {{- define "sglang-evict.redisUrlEnv" -}}SGLANG_EVICT_REDIS_URL{{- end -}}
 
-{{/*
-The Redis URL as it appears in a container's args. From a Secret it is the
-`$(SGLANG_EVICT_REDIS_URL)` reference, which the kubelet expands from the container's
-environment, so the password never appears in the pod spec.
-*/}}
+{{/* The Redis URL when it is not a Secret's: the external URL or the in-chart Redis. */}}
 {{- define "sglang-evict.redisUrl" -}}
-{{- if .Values.redis.externalUrlSecret.name -}}
-{{- printf "$(%s)" (include "sglang-evict.redisUrlEnv" .) -}}
-{{- else if .Values.redis.externalUrl -}}
+{{- if .Values.redis.externalUrl -}}
 {{- .Values.redis.externalUrl -}}
 {{- else -}}
 {{- printf "redis://%s:%d/0" (include "sglang-evict.componentName" (dict "ctx" . "suffix" "redis")) (int .Values.redis.port) -}}
 {{- end -}}
 {{- end -}}
 
-{{/* The env entry of the Redis URL Secret (empty without one). */}}
-{{- define "sglang-evict.redisUrlSecretEnv" -}}
+{{/*
+The env entry of the Redis URL (empty without Redis): from the Secret when one is named,
+else the URL itself. The URL never appears in a container's args: the kubelet would
+expand it into the command line, which every user of the node can read in /proc.
+`serve` and `compactor` both read $SGLANG_EVICT_REDIS_URL.
+*/}}
+{{- define "sglang-evict.redisUrlEnvEntry" -}}
 {{- if .Values.redis.externalUrlSecret.name }}
 - name: {{ include "sglang-evict.redisUrlEnv" . }}
   valueFrom:
     secretKeyRef:
       name: {{ .Values.redis.externalUrlSecret.name }}
       key: {{ .Values.redis.externalUrlSecret.key }}
+{{- else if include "sglang-evict.leaseStoreRedis" . }}
+- name: {{ include "sglang-evict.redisUrlEnv" . }}
+  value: {{ include "sglang-evict.redisUrl" . | quote }}
 {{- end }}
 {{- end -}}
 
@@ -132,8 +139,6 @@ OTEL_TRACES_EXPORTER=otlp
 - --socket
 - {{ include "sglang-evict.socketPath" . | quote }}
 {{- if include "sglang-evict.leaseStoreRedis" . }}
-- --redis-url
-- {{ include "sglang-evict.redisUrl" . | quote }}
 - --lease-namespace
 - "$(POD_NAME)"
 {{- end }}
@@ -231,8 +236,6 @@ only, not SGLang's processes (which take their tracing set-up from their own fla
 {{- if include "sglang-evict.leaseStoreRedis" . }}
 - --kv-lease-store
 - redis
-- --kv-redis-url
-- {{ include "sglang-evict.redisUrl" . | quote }}
 - --kv-lease-namespace
 - "$(POD_NAME)"
 {{- else }}

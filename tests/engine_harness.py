@@ -1,0 +1,315 @@
+"""SGLang's real engine as the test bed: engines started once per session and shared,
+the CPU reference loop over the same checkpoint, and what the tests read off SGLang.
+
+Engines run in host processes of their own (``sglang_evict.srt.engine_runner``); each
+is keyed by what must be fixed at start (page size, plugin policy or plain SGLang,
+overlap scheduler, pool size) and reused by every test that needs the same key. At most
+``MAX_LIVE_ENGINES`` live at once (2 cores, 24 GiB); the least recently used is shut down
+when another is needed. Tests read SGLang's own outputs (``output_ids``, ``meta_info``)
+and counters (its decode log's ``#token`` / ``#running-req``, the allocator's free count
+in the plugin's pass records, ``num_retractions``); the plugin's own report is used only
+for what only it knows (requests it still tracks, passes, pages it says it freed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sglang_evict.config import EvictionConfig
+from sglang_evict.srt.engine_runner import EngineProcess, cpu_engine_kwargs
+
+MAX_LIVE_ENGINES = 2
+# The policy of the engine tests: small enough that a few hundred generated tokens run
+# many passes (budget 48 + cadence 16: a pass every 16 tokens once a request holds 64).
+BUDGET, CADENCE, WINDOW, SINKS = 48, 16, 16, 4
+
+
+def policy_fields(**overrides) -> dict:
+    fields = dict(
+        kv_budget_tokens=BUDGET,
+        cadence_tokens=CADENCE,
+        window_tokens=WINDOW,
+        sink_tokens=SINKS,
+        scorer="streaming",
+        compaction="hole_fill",
+    )
+    fields.update(overrides)
+    return fields
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine is started with; equal specs share one engine."""
+
+    page_size: int = 1
+    policy_json: str | None = None  # the plugin's policy (sorted JSON); None: plain SGLang
+    overlap: bool = True
+    max_total_tokens: int = 4096
+    engine_json: str = "{}"  # further sglang.Engine arguments (sorted JSON)
+    env_json: str = "{}"  # environment of the engine's processes (sorted JSON)
+
+    @classmethod
+    def plugin(
+        cls,
+        page_size=1,
+        *,
+        overlap=True,
+        max_total_tokens=4096,
+        engine_args=None,
+        env=None,
+        **policy,
+    ):
+        policy_json = json.dumps(policy_fields(**policy), sort_keys=True)
+        extra = json.dumps(engine_args or {}, sort_keys=True)
+        env_json = json.dumps(env or {}, sort_keys=True)
+        return cls(page_size, policy_json, overlap, max_total_tokens, extra, env_json)
+
+    @classmethod
+    def plain(cls, page_size=1, *, overlap=True, max_total_tokens=4096, engine_args=None):
+        extra = json.dumps(engine_args or {}, sort_keys=True)
+        return cls(page_size, None, overlap, max_total_tokens, extra)
+
+    def policy(self) -> dict | None:
+        return None if self.policy_json is None else json.loads(self.policy_json)
+
+    def label(self) -> str:
+        kind = "plain"
+        if self.policy_json is not None:
+            policy = self.policy()
+            kind = f"plugin-{policy['scorer']}-{policy['compaction']}-b{policy['kv_budget_tokens']}"
+        overlap = "" if self.overlap else "-no-overlap"
+        settings = {**json.loads(self.engine_json), **json.loads(self.env_json)}
+        extra = "".join(f"-{k}{v}" for k, v in settings.items())
+        return f"{kind}-page{self.page_size}{overlap}-pool{self.max_total_tokens}{extra}"
+
+
+@dataclass
+class EngineRegistry:
+    model_path: Path
+    log_dir: Path
+    live: dict = field(default_factory=dict)  # spec -> EngineProcess, oldest first
+    start_times_s: list = field(default_factory=list)  # (spec label, seconds)
+
+    def get(self, spec: EngineSpec) -> EngineProcess:
+        engine = self.live.pop(spec, None)
+        if engine is not None and engine.alive:
+            self.live[spec] = engine  # most recently used last
+            return engine
+        while len(self.live) >= MAX_LIVE_ENGINES:
+            oldest = next(iter(self.live))
+            self.live.pop(oldest).close()
+        kwargs = cpu_engine_kwargs(
+            self.model_path,
+            page_size=spec.page_size,
+            max_total_tokens=spec.max_total_tokens,
+            disable_overlap_schedule=not spec.overlap,
+            **json.loads(spec.engine_json),
+        )
+        engine = EngineProcess(
+            kwargs,
+            policy=spec.policy_json,
+            env=json.loads(spec.env_json),
+            log_path=self.log_dir / f"{spec.label()}-{time.monotonic_ns()}.log",
+        ).start()
+        self.start_times_s.append((spec.label(), round(engine.start_s, 1)))
+        self.live[spec] = engine
+        return engine
+
+    def close_all(self) -> None:
+        while self.live:
+            _, engine = self.live.popitem()
+            engine.close()
+
+
+# --- the CPU reference loop over the same checkpoint ---------------------------------------
+
+
+def load_reference_model(model_path: Path):
+    """``PagedLlama`` over the engine's checkpoint, float32 like the engine."""
+    from transformers import AutoModelForCausalLM
+
+    from sglang_evict.reference_model import PagedLlama
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    return PagedLlama(hf)
+
+
+def reference_outputs(model, prompts, new_tokens, *, page_size, policy: dict | None):
+    """Greedy outputs of the CPU reference loop (SGLang's memory classes + the plugin)
+    for ``prompts`` run as one batch, and the survivor sets each decode step attended."""
+    from sglang_evict.reference_loop import GenerationRequest, generate
+    from sglang_evict.srt.cpu_driver import MemoryDriver
+
+    config = None
+    if policy is not None:
+        config = EvictionConfig(**policy, page_size=page_size)
+    driver = MemoryDriver.for_model(
+        model,
+        page_size=page_size,
+        num_tokens=len(prompts) * (max(map(len, prompts)) + new_tokens + 2 * page_size) + 64,
+        config=config,
+        max_context=max(map(len, prompts)) + new_tokens + 8,
+    )
+    requests = [GenerationRequest(f"r{i}", p, new_tokens) for i, p in enumerate(prompts)]
+    result = generate(driver, model, requests)
+    return [result.outputs[f"r{i}"] for i in range(len(prompts))], result
+
+
+def masked_replay(model, prompts, new_tokens, *, page_size, attended):
+    """The same requests on a full cache, each step attending only to ``attended``."""
+    from sglang_evict.reference_loop import GenerationRequest, generate
+    from sglang_evict.srt.cpu_driver import MemoryDriver
+
+    driver = MemoryDriver.for_model(
+        model,
+        page_size=page_size,
+        num_tokens=len(prompts) * (max(map(len, prompts)) + new_tokens + 2 * page_size) + 64,
+        max_context=max(map(len, prompts)) + new_tokens + 8,
+    )
+    requests = [GenerationRequest(f"r{i}", p, new_tokens) for i, p in enumerate(prompts)]
+    result = generate(driver, model, requests, attend_masks=attended)
+    return [result.outputs[f"r{i}"] for i in range(len(prompts))]
+
+
+def greedy(new_tokens: int, **extra) -> dict:
+    return {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.2):
+    """Poll ``predicate`` until it returns a truthy value (returned) or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+def engine_log_dir(tmp_path_factory) -> Path:
+    """Where engine logs go: kept after the run in CI (``SGLANG_EVICT_ENGINE_LOGS``)."""
+    configured = os.environ.get("SGLANG_EVICT_ENGINE_LOGS")
+    if configured:
+        path = Path(configured)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+# --- the HTTP server, started the way a user starts it --------------------------------------
+
+
+class ServedEngine:
+    """``sglang-evict serve ...`` (which execs SGLang's HTTP server) on CPU, its output in
+    a log file; requests go through HTTP like a client's."""
+
+    def __init__(self, model_path: Path, log_path: Path, eviction_flags: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.command = [
+            "sglang-evict",
+            "serve",
+            *eviction_flags,
+            "--model-path",
+            str(model_path),
+            *cpu_server_flags(),
+            "--enable-metrics",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        self.process = None
+
+    def start(self, timeout_s: float = 600) -> ServedEngine:
+        import subprocess
+
+        env = {**os.environ, "SGLANG_EVICT_LOG_PASSES": "1"}
+        self._log = open(self.log_path, "ab")  # closed in stop()
+        started = time.monotonic()
+        self.process = subprocess.Popen(
+            self.command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        ready = wait_until(self._healthy, timeout_s=timeout_s, interval_s=1.0)
+        if not ready:
+            self.stop()
+            tail = self.log_path.read_text(errors="replace").splitlines()[-30:]
+            raise RuntimeError("sglang-evict serve did not become healthy:\n" + "\n".join(tail))
+        self.start_s = time.monotonic() - started
+        return self
+
+    def _healthy(self) -> bool:
+        if self.process.poll() is not None:
+            return True  # exited: reported by start()
+        try:
+            return self.get("/health", timeout_s=5).status_code == 200
+        except OSError:
+            return False
+
+    def get(self, path: str, timeout_s: float = 60):
+        import requests
+
+        return requests.get(self.url + path, timeout=timeout_s)
+
+    def post(self, path: str, body: dict, timeout_s: float = 600):
+        import requests
+
+        response = requests.post(self.url + path, json=body, timeout=timeout_s)
+        response.raise_for_status()
+        return response.json()
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)
+        self._log.close()
+
+
+def cpu_server_flags() -> list[str]:
+    """``sglang.launch_server`` flags matching ``cpu_engine_kwargs``."""
+    flags = []
+    for key, value in cpu_engine_kwargs("unused").items():
+        if key == "model_path":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False:
+            flags += [flag, str(value)]
+    return flags
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def prometheus_samples(text: str, prefix: str = "sglang_evict:") -> dict[str, float]:
+    """``{name{labels}: value}`` of the samples whose name starts with ``prefix``."""
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
