@@ -57,9 +57,7 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
 
 
 @pytest.mark.engine
-def test_demo_runs_sglangs_engine_with_and_without_eviction_and_plots_kv_held(
-    capsys, tmp_path
-):
+def test_demo_runs_sglangs_engine_with_and_without_eviction_and_plots_kv_held(capsys, tmp_path):
     """The README's main job, shortened: two real engines side by side."""
     plot = tmp_path / "kv.png"
     argv = [
