@@ -251,9 +251,12 @@ def _serve(options: ServerOptions, generation: int = 0) -> int:
         reap_interval_s=options.reap_interval_s,
     )
     stop_requested = threading.Event()
+    signals_received: list[int] = []
 
     def request_stop(signum, _frame):
-        logger.info("shutdown requested", extra={"signal": signal.Signals(signum).name})
+        # No logging here: the handler can interrupt the main thread inside a log call
+        # (the record would be interleaved with, or lost in, the one being written).
+        signals_received.append(signum)
         stop_requested.set()
 
     signal.signal(signal.SIGTERM, request_stop)
@@ -266,6 +269,7 @@ def _serve(options: ServerOptions, generation: int = 0) -> int:
     if options.redis_url:
         logger.info("lease store", extra={"redis": redact_url(options.redis_url)})
     stop_requested.wait()
+    logger.info("shutdown requested", extra={"signal": signal.Signals(signals_received[0]).name})
     server.stop(drain_s=options.drain_s)
     if provider_configured:
         from opentelemetry import trace

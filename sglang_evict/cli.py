@@ -474,15 +474,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--requests", type=int, default=4, help="concurrent requests")
     demo.add_argument("--prompt-tokens", type=int, default=64)
-    demo.add_argument("--new-tokens", type=int, default=1024)
+    demo.add_argument("--new-tokens", type=int, default=512)
     demo.add_argument("--page-size", type=int, default=16, help="KV page size")
     demo.add_argument("--plot", default="sglang-evict-demo.png", help="where the PNG goes")
     demo.add_argument(
         "--model", default=None, help="model folder (default: built once into ~/.cache)"
     )
     demo.add_argument("--log-dir", default=None, help="where the engines' logs go (default: .)")
-    _add_policy_flags(demo, default_budget=256)
+    _add_policy_flags(demo, default_budget=128)
     _add_compactor_flags(demo)
+    # A pass every 64 tokens once a request holds 192: several passes in a short run.
+    demo.set_defaults(kv_cadence=64, kv_window=32)
     demo.set_defaults(handler=_demo)
     demo_model = commands.add_parser(
         "demo-model",

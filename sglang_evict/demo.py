@@ -28,7 +28,17 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from sglang_evict.engine_model import ensure_engine_model
-    from sglang_evict.srt.engine_runner import EngineError, EngineProcess, cpu_engine_kwargs
+    from sglang_evict.srt.engine_runner import (
+        EngineError,
+        EngineProcess,
+        cpu_engine_kwargs,
+        server_flags,
+    )
+    from sglang_evict.srt.server_args import (
+        check_startup,
+        model_facts_from_server_args,
+        parse_server_args,
+    )
 
     config = _config_from_args(args)
     model_path = ensure_engine_model(args.model)
@@ -39,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     kwargs = cpu_engine_kwargs(model_path, page_size=page_size, max_total_tokens=pool_tokens)
     if not _cpu_only():
         kwargs.update(device="cuda", attention_backend=None, dtype="auto", model_impl="auto")
+    # The server's own startup checks, before anything starts (one line on a refusal).
+    server_args = parse_server_args(server_flags(kwargs), dry_run=True)
+    check_startup(server_args, config, model_facts_from_server_args(server_args))
     print(
         f"demo: SGLang's engine with and without eviction, {args.requests} requests sharing a "
         f"system prompt, {len(prompts[0])}-token prompts, {args.new_tokens} new tokens each; "
@@ -61,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
         for name, engine in (("with eviction", evicting), ("without (plain SGLang)", plain)):
             mark = engine.mark()
             _generate_with_progress(engine, prompts, sampling, name, args.new_tokens)
-            runs[name] = (engine.decode_steps(mark), engine.plugin_state())
+            steps = engine.decode_steps(mark)
+            while steps and steps[-1].tokens_held == 0:  # logged after the batch finished
+                steps.pop()
+            runs[name] = (steps, engine.plugin_state())
     except EngineError as error:
         print(f"sglang-evict demo: error: {error}", file=sys.stderr)
         return 2
@@ -107,7 +123,9 @@ def _generate_with_progress(engine, prompts, sampling, name, new_tokens) -> list
     start = engine.log_path.stat().st_size
     worker = threading.Thread(target=work, daemon=True)
     worker.start()
-    with tqdm(total=new_tokens, desc=name, unit="step", leave=False, file=sys.stdout) as bar:
+    with tqdm(
+        total=new_tokens, desc=name, unit="step", leave=False, file=sys.stdout, mininterval=1.0
+    ) as bar:
         while worker.is_alive():
             worker.join(0.5)
             with open(engine.log_path, "rb") as log:

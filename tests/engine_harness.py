@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.srt.engine_runner import EngineProcess, cpu_engine_kwargs
+from sglang_evict.srt.engine_runner import EngineProcess, cpu_engine_kwargs, server_flags
 
 MAX_LIVE_ENGINES = 2
 # The policy of the engine tests: small enough that a few hundred generated tokens run
@@ -216,9 +216,7 @@ class ServedEngine:
             "sglang-evict",
             "serve",
             *eviction_flags,
-            "--model-path",
-            str(model_path),
-            *cpu_server_flags(),
+            *server_flags(cpu_engine_kwargs(model_path)),
             "--enable-metrics",
             "--host",
             "127.0.0.1",
@@ -281,20 +279,6 @@ class ServedEngine:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=30)
         self._log.close()
-
-
-def cpu_server_flags() -> list[str]:
-    """``sglang.launch_server`` flags matching ``cpu_engine_kwargs``."""
-    flags = []
-    for key, value in cpu_engine_kwargs("unused").items():
-        if key == "model_path":
-            continue
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is not False:
-            flags += [flag, str(value)]
-    return flags
 
 
 def free_port() -> int:

@@ -60,6 +60,18 @@ def cpu_engine_kwargs(model_path: str | os.PathLike, **overrides) -> dict:
     return kwargs
 
 
+def server_flags(engine_kwargs: dict) -> list[str]:
+    """The ``sglang.launch_server`` flags equivalent to ``sglang.Engine`` arguments."""
+    flags = []
+    for key, value in engine_kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False and value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
 @dataclass(frozen=True)
 class DecodeStep:
     """One ``Decode batch`` log line of SGLang's scheduler."""
