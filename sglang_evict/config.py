@@ -25,6 +25,8 @@ from sglang_evict.planner import STRATEGIES as COMPACTION_STRATEGIES  # one defi
 # Ranges a config must stay inside; errors quote them.
 MAX_SINK_TOKENS = 1 << 16
 MAX_PAGE_SIZE = 1 << 12
+# SGLang's request-to-token rows and the plugin's position table are int32.
+MAX_REQUEST_TOKENS = (1 << 31) - 1
 COMPACTORS = ("inprocess", "grpc")
 COMPACTOR_FALLBACKS = ("inprocess", "skip")  # compactor_service.client.FALLBACK_MODES
 LEASE_STORES = ("inprocess", "redis", "none")
@@ -92,6 +94,12 @@ class EvictionConfig:
         lease_namespace: key namespace in the Redis store; schedulers sharing one Redis
             need distinct namespaces (page numbers are per pool) and their compactor
             takes the same one (``--lease-namespace``).
+        request_max_budget_tokens, request_max_cadence_tokens: the largest budget and
+            cadence a request may ask for itself (``--kv-request-max-budget``,
+            ``--kv-request-max-cadence``; None: the server's own, so a request may only
+            lower them). See ``sglang_evict.request_policy``.
+        request_allow_disable: whether a request may turn eviction off for itself
+            (``--kv-request-allow-disable``).
 
     How per-head scores combine into one keep-set per request is a scorer parameter
     (``head_normalization``, ``head_reduction``; see ``sglang_evict.scorers.base``).
@@ -121,6 +129,9 @@ class EvictionConfig:
     redis_url: str | None = None
     lease_ttl_ms: int = 5000
     lease_namespace: str = "default"
+    request_max_budget_tokens: int | None = None
+    request_max_cadence_tokens: int | None = None
+    request_allow_disable: bool = False
     _scorer: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +152,7 @@ class EvictionConfig:
             )
         if not isinstance(self.evict_prompt, bool):
             raise ValueError(f"evict_prompt must be true or false, got {self.evict_prompt!r}")
+        self._check_request_limits()
         if self.compaction not in COMPACTION_STRATEGIES:
             raise ValueError(
                 f"unknown compaction {self.compaction!r}; known: {list(COMPACTION_STRATEGIES)}"
@@ -173,6 +185,45 @@ class EvictionConfig:
         from sglang_evict.scorers import build_scorer
 
         object.__setattr__(self, "_scorer", build_scorer(self.scorer, self.scorer_params))
+
+    def _check_request_limits(self) -> None:
+        for name, flag, value, default in (
+            (
+                "request_max_budget_tokens",
+                "--kv-request-max-budget",
+                self.request_max_budget_tokens,
+                self.kv_budget_tokens,
+            ),
+            (
+                "request_max_cadence_tokens",
+                "--kv-request-max-cadence",
+                self.request_max_cadence_tokens,
+                self.cadence_tokens,
+            ),
+        ):
+            if value is None:
+                continue
+            _require_int(name, value, 1, MAX_REQUEST_TOKENS)
+            if value < default:
+                raise ValueError(
+                    f"{name}={value} ({flag}) is below the server's own {default}: a "
+                    f"request's maximum cannot be below the default it starts from; allowed: "
+                    f"[{default}, {MAX_REQUEST_TOKENS}]"
+                )
+        if not isinstance(self.request_allow_disable, bool):
+            raise ValueError(
+                f"request_allow_disable must be true or false, got {self.request_allow_disable!r}"
+            )
+
+    @property
+    def request_max_budget(self) -> int:
+        """The largest budget a request may ask for (``request_max_budget_tokens``)."""
+        return self.request_max_budget_tokens or self.kv_budget_tokens
+
+    @property
+    def request_max_cadence(self) -> int:
+        """The largest cadence a request may ask for (``request_max_cadence_tokens``)."""
+        return self.request_max_cadence_tokens or self.cadence_tokens
 
     def _check_compactor_transport(self) -> None:
         if self.compactor_address is not None:

@@ -75,7 +75,7 @@ from sglang_evict.batch_pass import (
     plan_hole_fill,
     plan_repack,
     protected_ranges_mask,
-    score_batch,
+    score_rows,
     select_keep,
 )
 from sglang_evict.batch_pass.inputs import batch_inputs
@@ -87,7 +87,8 @@ from sglang_evict.pass_state import (
     QueryRing,
     RequestState,
 )
-from sglang_evict.scorers import KVView
+from sglang_evict.request_policy import RequestLimits, RequestPolicy, default_policy
+from sglang_evict.scorers import KVView, Scorer, build_scorer
 from sglang_evict.scorers.base import BatchKVView
 from sglang_evict_kernels import repack_kv_independent
 
@@ -138,6 +139,9 @@ class EvictionManager:
     pin_failures: int = 0  # pin/unpin calls the lease store did not take (outage)
     lease_release_failures: int = 0  # pass leases the store did not release (outage)
     forced_completions: int = 0  # passes completed in-process after a failure mid-RPC
+    # What a request may ask of this server (sglang_evict.request_policy); the adapter
+    # sets it (the scorers a request may choose depend on the server).
+    request_limits: RequestLimits | None = None
     states: dict[str, RequestState] = field(default_factory=dict)
     query_rings: dict[str, QueryRing] = field(default_factory=dict)
 
@@ -149,6 +153,10 @@ class EvictionManager:
             )
         self.device = torch.device(self.device)
         self.scorer = self.config.make_scorer()
+        # The policy of requests that override nothing, and the scorers requests chose
+        # (built once each, with their default parameters; the server's with its own).
+        self.default_policy = default_policy(self.config)
+        self._scorers: dict[str, Scorer] = {self.config.scorer: self.scorer}
         # Decode positions are ``seq_lens - 1 + offsets_by_row[req_pool_indices]``.
         self.offsets_by_row = torch.zeros(
             self.num_request_rows, dtype=torch.int64, device=self.device
@@ -199,28 +207,56 @@ class EvictionManager:
         held[self.positions(rid, kv_len)] = True
         return int(torch.nonzero(~held)[0])
 
-    def counts(self, rid: str, kv_len: int, num_shared: int, prompt_len: int) -> PassCounts:
-        """What a pass would do to this request now (host ints only)."""
+    def scorer_for(self, name: str) -> Scorer:
+        """The scorer ``name`` (the server's own instance for the server's scorer)."""
+        scorer = self._scorers.get(name)
+        if scorer is None:
+            scorer = self._scorers[name] = build_scorer(name)
+        return scorer
+
+    def counts(
+        self,
+        rid: str,
+        kv_len: int,
+        num_shared: int,
+        prompt_len: int,
+        policy: RequestPolicy | None = None,
+    ) -> PassCounts:
+        """What a pass would do to this request now (host ints only); ``policy`` None:
+        the server's."""
         config = self.config
+        policy = policy or self.default_policy
         return pass_counts(
             kv_len=kv_len,
             position_offset=self.position_offset(rid),
             num_shared=num_shared,
             prompt_len=prompt_len,
             page_size=config.page_size,
-            budget=config.kv_budget_tokens,
+            budget=policy.kv_budget_tokens,
             sink_tokens=config.sink_tokens,
             protected_tokens=config.protected_tokens,
             window_tokens=config.window_tokens,
             evict_prompt=config.evict_prompt,
         )
 
-    def is_due(self, rid: str, kv_len: int, num_shared: int, prompt_len: int) -> bool:
-        """A pass is due once it would evict at least ``cadence`` tokens (O(1))."""
-        cadence = self.config.cadence_tokens
-        if kv_len < self.config.trigger_tokens:  # survivors >= budget: never due below
+    def is_due(
+        self,
+        rid: str,
+        kv_len: int,
+        num_shared: int,
+        prompt_len: int,
+        policy: RequestPolicy | None = None,
+    ) -> bool:
+        """A pass is due once it would evict at least ``cadence`` tokens (O(1)); never
+        for a request whose policy turns eviction off."""
+        policy = policy or self.default_policy
+        if not policy.enabled:
             return False
-        return self.counts(rid, kv_len, num_shared, prompt_len).tokens_evicted >= cadence
+        cadence = policy.cadence_tokens
+        if kv_len < policy.kv_budget_tokens + cadence:  # survivors >= budget: never due
+            return False
+        counts = self.counts(rid, kv_len, num_shared, prompt_len, policy)
+        return counts.tokens_evicted >= cadence
 
     # --- shared-page pins ------------------------------------------------------------
 
@@ -279,7 +315,9 @@ class EvictionManager:
         only when nothing moved: the requests keep their full KV. Once slots may have
         moved, the pass always commits (module docstring)."""
         start = time.perf_counter()
-        work = [(d, self.counts(d.rid, d.kv_len, d.num_shared, d.prompt_len)) for d in due]
+        work = [
+            (d, self.counts(d.rid, d.kv_len, d.num_shared, d.prompt_len, d.policy)) for d in due
+        ]
         work = [(d, c) for d, c in work if c.tokens_evicted > 0]
         for d, _ in work:
             if not 0 <= d.req_pool_idx < self.num_request_rows:
@@ -294,7 +332,8 @@ class EvictionManager:
         with tracing.tracer().start_as_current_span(tracing.SPAN_PASS) as span:
             span.set_attribute(tracing.ATTR_REQUESTS, len(work))
             span.set_attribute(tracing.ATTR_TOKENS_BEFORE, sum(c.kv_len for _, c in work))
-            span.set_attribute(tracing.ATTR_SCORER, self.config.scorer)
+            names = sorted({self._policy(d).scorer for d, _ in work})
+            span.set_attribute(tracing.ATTR_SCORER, ",".join(names))
             lease = self._acquire_lease(span)
             try:
                 results = self._run(work, lease, start)
@@ -364,8 +403,9 @@ class EvictionManager:
             use_pool_kernels=self.device.type == "cuda" if use is None else use,
         )
         columns, rows_raw, view = inputs.columns, inputs.rows_raw, inputs.view
+        scorers = [self.scorer_for(self._policy(d).scorer) for d, _ in work]
         with tracer.start_as_current_span(tracing.SPAN_SCORE):
-            scores = score_batch(self.scorer, view, self._request_view(work, view))
+            scores = score_rows(scorers, view, self._request_view(work, scorers, view))
             if self.score_reducer is not None:
                 scores = self.score_reducer(scores)
         protected = protected_ranges_mask(
@@ -423,9 +463,14 @@ class EvictionManager:
                 batch_slot_copies=copies,
                 batch_index=i,
                 bytes_per_slot=self.bytes_per_slot,
+                scorer=scorer.name,
+                budget_tokens=c.budget,
             )
-            for i, (d, c) in enumerate(work)
+            for i, ((d, c), scorer) in enumerate(zip(work, scorers, strict=True))
         ]
+
+    def _policy(self, due: DueRequest) -> RequestPolicy:
+        return due.policy or self.default_policy
 
     def _strategy(self, counts: list[PassCounts]) -> tuple[str, list[int]]:
         """The batch's strategy and staging pages per request: ``repack`` claims an
@@ -437,17 +482,17 @@ class EvictionManager:
             return "hole_fill", [0] * len(counts)
         return strategy, staging
 
-    def _request_view(self, work, view: BatchKVView):
+    def _request_view(self, work, scorers: list[Scorer], view: BatchKVView):
         """One request's ``KVView`` in logical order (scorers without a batched form)."""
 
         def request_view(r: int, order: Tensor) -> KVView:
             rid = work[r][0].rid
             queries = query_positions = None
-            if self.scorer.needs_queries:
+            if scorers[r].needs_queries:
                 ring = self.query_rings.get(rid)
                 if ring is None or ring.count == 0:
                     raise ValueError(
-                        f"scorer {self.scorer.name!r} needs the request's captured queries, "
+                        f"scorer {scorers[r].name!r} needs the request's captured queries, "
                         f"but none were recorded for {rid}; query capture must run in the "
                         f"attention"
                     )
@@ -549,6 +594,8 @@ class EvictionManager:
                 prompt_len=d.prompt_len,
                 num_passes=(previous.num_passes if previous else 0) + 1,
                 tokens_evicted=(previous.tokens_evicted if previous else 0) + c.tokens_evicted,
+                policy=d.policy,
+                peak_kv_tokens=max(previous.peak_kv_tokens if previous else 0, c.kv_len),
             )
 
     # --- invariants ------------------------------------------------------------------
@@ -565,7 +612,7 @@ class EvictionManager:
         if kv_len and int(positions.max()) >= next_position:
             raise AssertionError(f"request {rid}: a position is beyond the next token's")
         held = set(positions.tolist())
-        c = self.counts(rid, kv_len, state.num_shared, state.prompt_len)
+        c = self.counts(rid, kv_len, state.num_shared, state.prompt_len, state.policy)
         protected = set(range(min(c.lead_end, next_position))) | set(
             range(c.window_start, next_position)
         )

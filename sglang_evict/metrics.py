@@ -153,20 +153,25 @@ class EvictionMetrics:
             scorer=scorer,
         )
 
-    def record_batch(self, results: list, budget_tokens: int, duration_s: float) -> None:
+    def record_batch(self, results: list, duration_s: float) -> None:
         """Record one batched pass: its ``PassResult``s (one per request) and host time.
-        Slot copies and bytes moved are device counts: queued here, folded in by
-        ``fold_device_counts`` once they reached the host."""
+        Each request's pass counts under the scorer that ranked it and its occupancy
+        against its own budget (a per-request policy); the batch's host time, slot
+        copies and bytes moved under the server's scorer. Slot copies and bytes moved
+        are device counts: queued here, folded in by ``fold_device_counts`` once they
+        reached the host."""
         if not results:
             return
         strategy = results[0].strategy
         labels = {"strategy": strategy, "scorer": self.scorer}
         for result in results:
-            self.passes.labels(**labels).inc()
-            self.tokens_evicted.labels(**labels).inc(result.tokens_evicted)
-            self.pages_freed.labels(**labels).inc(result.pages_freed)
-            self.budget_occupancy.labels(scorer=self.scorer).observe(
-                result.tokens_before / budget_tokens
+            scorer = result.scorer or self.scorer
+            own = {"strategy": strategy, "scorer": scorer}
+            self.passes.labels(**own).inc()
+            self.tokens_evicted.labels(**own).inc(result.tokens_evicted)
+            self.pages_freed.labels(**own).inc(result.pages_freed)
+            self.budget_occupancy.labels(scorer=scorer).observe(
+                result.tokens_before / result.budget_tokens
             )
         self.pass_duration.labels(**labels).observe(duration_s)
         tally, _ = self._copies.setdefault(strategy, (DeviceTally(), results[0].bytes_per_slot))

@@ -11,6 +11,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from sglang_evict.request_policy import RequestPolicy
+
 
 class KVPoolAccess(Protocol):
     """What the mechanism needs from the engine's pools (implemented by the adapter).
@@ -56,6 +58,8 @@ class RequestState:
     prompt_len: int
     num_passes: int = 0
     tokens_evicted: int = 0
+    policy: RequestPolicy | None = None  # None: the server's
+    peak_kv_tokens: int = 0  # the most KV it held when a pass ran
 
 
 class QueryRing:
@@ -97,6 +101,7 @@ class DueRequest:
     kv_len: int  # row entries in use, all written
     num_shared: int  # leading entries the radix tree owns (never touched)
     prompt_len: int  # prompt tokens; protected unless config.evict_prompt
+    policy: RequestPolicy | None = None  # the request's own (None: the server's)
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,8 @@ class PassResult:
     batch_slot_copies: Tensor  # int64 [requests of the batch], on the pool's device
     batch_index: int
     bytes_per_slot: int  # every layer's K and V row of one slot
+    scorer: str = ""  # the scorer that ranked its tokens
+    budget_tokens: int = 0  # its budget
 
     @property
     def tokens_evicted(self) -> int:

@@ -110,8 +110,14 @@ class Engine:
         self.cache_params = self.driver.cache_params
         self.running = self.driver.running
 
-    def add_request(self, rid: str, prompt: list[int], extra_key: str | None = None):
-        req, prefix_len, slots = self.driver.admit(rid, prompt, extra_key)
+    def add_request(
+        self,
+        rid: str,
+        prompt: list[int],
+        extra_key: str | None = None,
+        custom_params: dict | None = None,
+    ):
+        req, prefix_len, slots = self.driver.admit(rid, prompt, extra_key, custom_params)
         for position, slot in zip(range(prefix_len, len(prompt)), slots.tolist(), strict=True):
             self._write_kv(slot, prompt[position], position)
         self.driver.prefill_done(req)

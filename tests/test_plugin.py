@@ -270,13 +270,15 @@ def test_metrics_count_what_the_passes_did():
 
     registry = CollectorRegistry()
     recorder = EvictionMetrics.create("knorm", registry=registry)
-    config = EvictionConfig(kv_budget_tokens=64, cadence_tokens=16, window_tokens=16, page_size=16)
+    config = EvictionConfig(
+        kv_budget_tokens=64, cadence_tokens=16, window_tokens=16, page_size=16, scorer="knorm"
+    )
     engine = Engine(page_size=16, config=config)
     req = engine.add_request("a", list(range(40)))
     for step in range(100):
         engine.decode_step(req, step)
     for _, result in engine.pass_log:  # one request: one result per batched pass
-        recorder.record_batch([result], config.kv_budget_tokens, result.duration_s)
+        recorder.record_batch([result], result.duration_s)
     labels = {"strategy": "hole_fill", "scorer": "knorm"}
 
     def value(name, **extra):

@@ -23,7 +23,7 @@ references the tests hold these to.
 
 from sglang_evict.batch_pass.counts import PassCounts, pass_counts
 from sglang_evict.batch_pass.plan import BatchPlan, PlanInputs, plan_hole_fill, plan_repack
-from sglang_evict.batch_pass.scoring import score_batch
+from sglang_evict.batch_pass.scoring import score_batch, score_rows
 from sglang_evict.batch_pass.select import protected_ranges_mask, select_keep
 
 __all__ = [
@@ -35,5 +35,6 @@ __all__ = [
     "plan_repack",
     "protected_ranges_mask",
     "score_batch",
+    "score_rows",
     "select_keep",
 ]

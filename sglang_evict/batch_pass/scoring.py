@@ -8,16 +8,22 @@ loop over requests (not tokens), each a few launches, and, for query-reading sco
 (``window``, ``rkv``), the queries the CPU loop captured (``EvictionManager.
 record_queries``). A device ring of queries indexed by request-pool row plugs in here
 as a batched form of those scorers.
+
+Requests of one pass may have chosen different scorers (a per-request policy):
+``score_rows`` groups the rows by scorer and scores each group as its own batch.
+Selection is per row, so scores of different scorers never meet.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from sglang_evict.scorers.base import BatchKVView, KVView, Scorer
+from sglang_evict_kernels import device_int64
 
 # (request index, its tokens' columns in logical order) -> that request's KVView.
 RequestView = Callable[[int, Tensor], KVView]
@@ -44,4 +50,32 @@ def score_batch(scorer: Scorer, view: BatchKVView, request_view: RequestView) ->
         else:
             scores = scorer.score(request_view(r, order))
         out[r, :length] = torch.zeros_like(scores).scatter_(0, order, scores.float())
+    return out
+
+
+def score_rows(scorers: Sequence[Scorer], view: BatchKVView, request_view: RequestView) -> Tensor:
+    """float32 ``[R, N]``: row ``r`` scored by ``scorers[r]``. One ``score_batch`` per
+    distinct scorer, over that scorer's rows only (the whole batch when all agree)."""
+    groups: dict[int, list[int]] = {}
+    for r, scorer in enumerate(scorers):
+        groups.setdefault(id(scorer), []).append(r)
+    if len(groups) == 1:
+        return score_batch(scorers[0], view, request_view)
+    out = torch.zeros(view.slots.shape, dtype=torch.float32, device=view.slots.device)
+    for rows in groups.values():
+        index = device_int64(rows, view.slots.device)
+        sub = dataclasses.replace(
+            view,
+            slots=view.slots.index_select(0, index),
+            positions=view.positions.index_select(0, index),
+            valid=view.valid.index_select(0, index),
+            current_positions=view.current_positions.index_select(0, index),
+            lengths=tuple(view.lengths[r] for r in rows),
+            current_positions_host=tuple(view.current_positions_host[r] for r in rows),
+        )
+
+        def sub_request_view(r: int, order: Tensor, rows=rows) -> KVView:
+            return request_view(rows[r], order)
+
+        out.index_copy_(0, index, score_batch(scorers[rows[0]], sub, sub_request_view))
     return out

@@ -14,11 +14,15 @@ integration surface:
     backend         EvictingRadixCache + registered factory   RadixCache, TreeNode
     hooks           decode-step passes, decode positions      ScheduleBatch, ForwardBatch
     server_args     policy from the environment; refusals     ServerArgs
+    request_policy  per-request policy (custom_params), its   TokenizerManager, Scheduler,
+                    checks, the per-request report            Req (customized_info)
+    frontend        per-gen policy in frontend programs       sglang.lang (RuntimeEndpoint,
+                                                              SglGen)
     tp              score reduction across TP ranks           the CPU cache group
     cpu_driver      memory classes driven on CPU (tests,      Req, ScheduleBatch,
                     demo, quality harness)                    alloc_for_decode, release
 
-A new surface (request policy, admission, query capture, ...) gets its own module here.
+A new surface (admission, query capture, ...) gets its own module here.
 """
 
 from __future__ import annotations
@@ -84,6 +88,12 @@ def install() -> None:
         _after_get_internal_state,
         _after_on_idle,
     )
+    from sglang_evict.srt.request_policy import (
+        HOOK_ADD_REQUEST_TO_QUEUE,
+        HOOK_VALIDATE_REQUEST,
+        _after_validate_one_request,
+        _before_add_request_to_queue,
+    )
     from sglang_evict.srt.server_args import BACKEND_NAME
 
     if BACKEND_NAME in registered_radix_cache_backends():
@@ -93,3 +103,5 @@ def install() -> None:
     HookRegistry.register(HOOK_FORWARD_BATCH_INIT, _after_forward_batch_init_new, HookType.AFTER)
     HookRegistry.register(HOOK_INTERNAL_STATE, _after_get_internal_state, HookType.AFTER)
     HookRegistry.register(HOOK_ON_IDLE, _after_on_idle, HookType.AFTER)
+    HookRegistry.register(HOOK_VALIDATE_REQUEST, _after_validate_one_request, HookType.AFTER)
+    HookRegistry.register(HOOK_ADD_REQUEST_TO_QUEUE, _before_add_request_to_queue, HookType.BEFORE)

@@ -15,6 +15,7 @@ from sglang_evict.config import EvictionConfig
 from sglang_evict.srt.introspection import PassTotals
 from sglang_evict.srt.manager import forward_stream_of, make_manager
 from sglang_evict.srt.pools import free_slots
+from sglang_evict.srt.request_policy import eviction_report, request_limits, write_report
 from sglang_evict.srt.server_args import check_startup, config_from_env, model_facts_of_context
 from sglang_evict.srt.tp import TP_REDUCED_SCORERS, tp_score_reducer
 
@@ -47,6 +48,8 @@ class EvictingRadixCache(RadixCache):
         self.evictor = make_manager(config, params)
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
+        # Before the state goes: SGLang streams the request's last output after this.
+        write_report(req, eviction_report(req, self.evictor))
         state = self.evictor.states.get(req.rid)
         if state is None or self.disable:
             return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
@@ -155,6 +158,7 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
     config = config_from_env(ctx.params.page_size)
     check_startup(ctx.server_args, config, model_facts_of_context(ctx))
     cache = EvictingRadixCache(ctx.params, config)
+    cache.evictor.request_limits = request_limits(config, ctx.tp_size)
     # Passes wait, on the device, for the in-flight forward on this stream.
     cache.evictor.forward_stream = forward_stream_of(ctx.tp_worker)
     if ctx.tp_size > 1 and config.scorer in TP_REDUCED_SCORERS:

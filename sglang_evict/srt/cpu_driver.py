@@ -13,6 +13,7 @@ from sglang_evict.config import EvictionConfig
 from sglang_evict.evictor import EvictionManager, PassResult
 from sglang_evict.srt.backend import EvictingRadixCache
 from sglang_evict.srt.hooks import compact_decode_batch
+from sglang_evict.srt.request_policy import attach_policy
 
 
 def publish_cpu_runtime() -> None:
@@ -127,16 +128,28 @@ class MemoryDriver:
             MatchPrefixParams(key=RadixKey(array("q", tokens), extra_key))
         )
 
-    def admit(self, rid: str, prompt: list[int], extra_key: str | None = None):
+    def admit(
+        self,
+        rid: str,
+        prompt: list[int],
+        extra_key: str | None = None,
+        custom_params: dict | None = None,
+    ):
         """Admit a request; returns ``(req, prefix_len, extend_slots)``: the caller writes
-        the K/V of ``prompt[prefix_len:]`` at ``extend_slots``, then calls ``prefill_done``."""
+        the K/V of ``prompt[prefix_len:]`` at ``extend_slots``, then calls ``prefill_done``.
+        ``custom_params`` are the request's (its per-request policy, checked and attached
+        as the scheduler's queue hook does; a refused one raises ``RequestPolicyError``)."""
         from array import array
 
         from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=1 << 20))
+        params = SamplingParams(max_new_tokens=1 << 20, custom_params=custom_params)
+        req = Req(rid, "", array("q", prompt), params)
         req.extra_key = extra_key
+        manager = self.evictor
+        if manager is not None:
+            attach_policy(req, manager.config, manager.request_limits)
         # As SGLang's scheduler does (max_prefix_len = input_len - 1): at least one
         # prompt token is computed, so a fully cached prompt still yields logits.
         match = self.match(prompt[:-1], extra_key)

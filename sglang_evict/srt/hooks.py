@@ -44,6 +44,7 @@ import torch
 from sglang_evict.evictor import DueRequest, EvictionManager, PassResult
 from sglang_evict.srt.backend import EvictingRadixCache, _Active
 from sglang_evict.srt.introspection import log_pass, log_passes_enabled
+from sglang_evict.srt.request_policy import policy_of
 from sglang_evict_kernels import device_int64
 
 logger = logging.getLogger(__name__)
@@ -53,12 +54,14 @@ HOOK_FORWARD_BATCH_INIT = "sglang.srt.model_executor.forward_batch_info.ForwardB
 
 
 def due_requests(manager: EvictionManager, reqs) -> list[tuple[int, DueRequest]]:
-    """``(batch index, DueRequest)`` of the requests whose pass is due (O(1) each)."""
+    """``(batch index, DueRequest)`` of the requests whose pass is due (O(1) each),
+    each under its own policy (``sglang_evict.srt.request_policy``)."""
     due = []
     for i, req in enumerate(reqs):
         kv_len = req.kv_committed_len
+        policy = policy_of(req)
         if req.decode_batch_idx < 1 or not manager.is_due(
-            req.rid, kv_len, req.cache_protected_len, len(req.origin_input_ids)
+            req.rid, kv_len, req.cache_protected_len, len(req.origin_input_ids), policy
         ):
             continue
         if req.kv.kv_allocated_len != kv_len:
@@ -79,6 +82,7 @@ def due_requests(manager: EvictionManager, reqs) -> list[tuple[int, DueRequest]]
                     kv_len=kv_len,
                     num_shared=req.cache_protected_len,
                     prompt_len=len(req.origin_input_ids),
+                    policy=policy,
                 ),
             )
         )
@@ -138,7 +142,7 @@ def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
         log_pass(logged, free_slots_before, manager.pool.allocator.available_size())
     if _Active.metrics is not None:
         duration_s = results[0].duration_s if results else 0.0
-        _Active.metrics.record_batch(results, manager.config.kv_budget_tokens, duration_s)
+        _Active.metrics.record_batch(results, duration_s)
         _Active.metrics.record_manager(manager)
     return results
 

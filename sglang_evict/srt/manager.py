@@ -16,6 +16,7 @@ from compactor_service.tls import channel_credentials, parse_tcp_address
 from sglang_evict.config import EvictionConfig
 from sglang_evict.evictor import EvictionManager
 from sglang_evict.srt.pools import SGLangPoolAccess, share_kv_pool
+from sglang_evict.srt.request_policy import request_limits
 
 
 def make_lease_store(config: EvictionConfig) -> LeaseStore | None:
@@ -64,7 +65,7 @@ def make_manager(config: EvictionConfig, params: CacheInitParams) -> EvictionMan
     leases = make_lease_store(config)
     compactor = make_compactor(config, pool, leases)
     req_to_token = params.req_to_token_pool.req_to_token
-    return EvictionManager(
+    manager = EvictionManager(
         config=config,
         pool=pool,
         compactor=compactor,
@@ -74,6 +75,9 @@ def make_manager(config: EvictionConfig, params: CacheInitParams) -> EvictionMan
         leases=leases,
         lease_holder=f"scheduler-{os.getpid()}",
     )
+    # One rank; the radix-cache factory replaces it with the server's TP size.
+    manager.request_limits = request_limits(config)
+    return manager
 
 
 def forward_stream_of(tp_worker) -> object | None:
