@@ -121,6 +121,41 @@ def _add_compactor_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """What a request may ask for itself (``custom_params["sglang_evict"]``; see
+    ``sglang_evict.request_policy``)."""
+    parser.add_argument(
+        "--kv-request-max-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="largest budget a request may ask for (default: --kv-budget, so requests "
+        "may only lower it)",
+    )
+    parser.add_argument(
+        "--kv-request-max-cadence",
+        type=int,
+        default=None,
+        metavar="N",
+        help="largest cadence a request may ask for (default: --kv-cadence)",
+    )
+    parser.add_argument(
+        "--kv-request-allow-disable",
+        action="store_true",
+        help="let a request turn eviction off for itself",
+    )
+
+
+def _request_limit_fields(args: argparse.Namespace) -> dict:
+    if not hasattr(args, "kv_request_max_budget"):
+        return {}
+    return dict(
+        request_max_budget_tokens=args.kv_request_max_budget,
+        request_max_cadence_tokens=args.kv_request_max_cadence,
+        request_allow_disable=args.kv_request_allow_disable,
+    )
+
+
 def _compactor_fields(args: argparse.Namespace) -> dict:
     if not hasattr(args, "kv_compactor"):
         return {}
@@ -158,6 +193,7 @@ def _config_from_args(args: argparse.Namespace) -> EvictionConfig:
         compaction=args.kv_compaction,
         page_size=args.page_size,
         **_compactor_fields(args),
+        **_request_limit_fields(args),
     )
 
 
@@ -505,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
         "refused by name before the server starts.",
     )
     _add_policy_flags(serve)
+    _add_request_limit_flags(serve)
     _add_compactor_flags(serve)
     serve.add_argument(
         "--kv-redis-url-file",

@@ -29,6 +29,8 @@ class GenerationRequest:
     prompt: list[int]
     max_new_tokens: int
     arrival_step: int = 0  # decode step at which the request is admitted
+    # SGLang's custom_params of the request (its per-request policy, "sglang_evict").
+    custom_params: dict | None = None
 
 
 @dataclass
@@ -69,7 +71,9 @@ def generate(
     while pending or running:
         while pending and pending[0].arrival_step <= step:
             spec = pending.pop(0)
-            req, prefix_len, slots = driver.admit(spec.rid, spec.prompt)
+            req, prefix_len, slots = driver.admit(
+                spec.rid, spec.prompt, custom_params=spec.custom_params
+            )
             length = len(spec.prompt)
             logits = forward(
                 spec.rid,

@@ -22,7 +22,12 @@ from pathlib import Path
 import torch
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.srt.engine_runner import EngineProcess, cpu_engine_kwargs, server_flags
+from sglang_evict.srt.engine_runner import (
+    EngineProcess,
+    cpu_engine_kwargs,
+    parse_pass_lines,
+    server_flags,
+)
 
 MAX_LIVE_ENGINES = 2
 # The policy of the engine tests: small enough that a few hundred generated tokens run
@@ -89,6 +94,33 @@ class EngineSpec:
         return f"{kind}-page{self.page_size}{overlap}-pool{self.max_total_tokens}{extra}"
 
 
+@dataclass(frozen=True)
+class ServedSpec:
+    """An HTTP server started with ``sglang-evict serve`` and these flags (and
+    environment); equal specs share one server."""
+
+    eviction_flags: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+    def label(self) -> str:
+        return "served" + "".join(self.eviction_flags).replace("--kv", "-")
+
+
+# The served engine of the HTTP tests (per-request policy, frontend programs, /metrics):
+# the engine tests' policy as server defaults, requests allowed up to a budget above
+# every request of the tests (the pool's 4096 tokens), a cadence up to 64, eviction off;
+# the radix-tree digest on (``SGLANG_EVICT_DEBUG_TREE``), read by the fork test.
+POLICY_SERVER = ServedSpec(
+    eviction_flags=(
+        *("--kv-budget", str(BUDGET), "--kv-cadence", str(CADENCE)),
+        *("--kv-window", str(WINDOW), "--kv-sink-tokens", str(SINKS), "--kv-scorer", "streaming"),
+        *("--kv-request-max-budget", "4096", "--kv-request-max-cadence", "64"),
+        "--kv-request-allow-disable",
+    ),
+    env=(("SGLANG_EVICT_DEBUG_TREE", "1"),),
+)
+
+
 @dataclass
 class EngineRegistry:
     model_path: Path
@@ -96,7 +128,7 @@ class EngineRegistry:
     live: dict = field(default_factory=dict)  # spec -> EngineProcess, oldest first
     start_times_s: list = field(default_factory=list)  # (spec label, seconds)
 
-    def get(self, spec: EngineSpec) -> EngineProcess:
+    def _reuse(self, spec):
         engine = self.live.pop(spec, None)
         if engine is not None and engine.alive:
             self.live[spec] = engine  # most recently used last
@@ -104,6 +136,25 @@ class EngineRegistry:
         while len(self.live) >= MAX_LIVE_ENGINES:
             oldest = next(iter(self.live))
             self.live.pop(oldest).close()
+        return None
+
+    def served(self, spec: ServedSpec) -> ServedEngine:
+        """The HTTP server of ``spec``, started on first use (``sglang-evict serve``)."""
+        engine = self._reuse(spec)
+        if engine is not None:
+            return engine
+        log = self.log_dir / f"{spec.label()}-{time.monotonic_ns()}.log"
+        engine = ServedEngine(
+            self.model_path, log, list(spec.eviction_flags), env=dict(spec.env)
+        ).start()
+        self.start_times_s.append((spec.label(), round(engine.start_s, 1)))
+        self.live[spec] = engine
+        return engine
+
+    def get(self, spec: EngineSpec) -> EngineProcess:
+        engine = self._reuse(spec)
+        if engine is not None:
+            return engine
         kwargs = cpu_engine_kwargs(
             self.model_path,
             page_size=spec.page_size,
@@ -140,9 +191,12 @@ def load_reference_model(model_path: Path):
     return PagedLlama(hf)
 
 
-def reference_outputs(model, prompts, new_tokens, *, page_size, policy: dict | None):
+def reference_outputs(
+    model, prompts, new_tokens, *, page_size, policy: dict | None, custom_params=None
+):
     """Greedy outputs of the CPU reference loop (SGLang's memory classes + the plugin)
-    for ``prompts`` run as one batch, and the survivor sets each decode step attended."""
+    for ``prompts`` run as one batch, and the survivor sets each decode step attended;
+    ``custom_params``: one per prompt (per-request policies)."""
     from sglang_evict.reference_loop import GenerationRequest, generate
     from sglang_evict.srt.cpu_driver import MemoryDriver
 
@@ -156,7 +210,11 @@ def reference_outputs(model, prompts, new_tokens, *, page_size, policy: dict | N
         config=config,
         max_context=max(map(len, prompts)) + new_tokens + 8,
     )
-    requests = [GenerationRequest(f"r{i}", p, new_tokens) for i, p in enumerate(prompts)]
+    custom_params = custom_params or [None] * len(prompts)
+    requests = [
+        GenerationRequest(f"r{i}", p, new_tokens, custom_params=c)
+        for i, (p, c) in enumerate(zip(prompts, custom_params, strict=True))
+    ]
     result = generate(driver, model, requests)
     return [result.outputs[f"r{i}"] for i in range(len(prompts))], result
 
@@ -208,7 +266,14 @@ class ServedEngine:
     """``sglang-evict serve ...`` (which execs SGLang's HTTP server) on CPU, its output in
     a log file; requests go through HTTP like a client's."""
 
-    def __init__(self, model_path: Path, log_path: Path, eviction_flags: list[str]) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        log_path: Path,
+        eviction_flags: list[str],
+        env: dict | None = None,
+    ) -> None:
+        self.extra_env = dict(env or {})
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -228,7 +293,7 @@ class ServedEngine:
     def start(self, timeout_s: float = 600) -> ServedEngine:
         import subprocess
 
-        env = {**os.environ, "SGLANG_EVICT_LOG_PASSES": "1"}
+        env = {**os.environ, "SGLANG_EVICT_LOG_PASSES": "1", **self.extra_env}
         self._log = open(self.log_path, "ab")  # closed in stop()
         started = time.monotonic()
         self.process = subprocess.Popen(
@@ -261,11 +326,38 @@ class ServedEngine:
         return requests.get(self.url + path, timeout=timeout_s)
 
     def post(self, path: str, body: dict, timeout_s: float = 600):
-        import requests
-
-        response = requests.post(self.url + path, json=body, timeout=timeout_s)
+        response = self.post_raw(path, body, timeout_s)
         response.raise_for_status()
         return response.json()
+
+    def post_raw(self, path: str, body: dict, timeout_s: float = 600):
+        """The HTTP response, whatever its status."""
+        import requests
+
+        return requests.post(self.url + path, json=body, timeout=timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def close(self) -> None:
+        self.stop()
+
+    def plugin_state(self) -> dict:
+        """What the plugin reports in ``/get_server_info`` (``internal_states[0]``)."""
+        return self.get("/get_server_info").json()["internal_states"][0]["sglang_evict"]
+
+    def log_size(self) -> int:
+        """A position in the log (after a ``/get_server_info`` round trip: every batch
+        the scheduler finished is logged by then)."""
+        self.get("/get_server_info")
+        return self.log_path.stat().st_size
+
+    def pass_records(self, since: int = 0) -> list[dict]:
+        self.get("/get_server_info")
+        with open(self.log_path, "rb") as log:
+            log.seek(since)
+            return parse_pass_lines(log.read().decode(errors="replace"))
 
     def stop(self) -> None:
         import signal

@@ -19,6 +19,7 @@ from sglang_evict.request_policy import (
     bounded_kv_tokens,
     report_of,
 )
+from sglang_evict.srt.introspection import prefix_entries, tree_digest
 from sglang_evict.srt.request_policy import (
     POLICY_ATTR,
     _after_validate_one_request,
@@ -243,3 +244,32 @@ def test_policy_reaches_the_pass_counts_of_a_long_protected_prompt():
     results = [r for _, r in engine.pass_log]
     assert results and all(r.tokens_evicted == 8 and r.protected_over_budget for r in results)
     assert torch.tensor([r.tokens_after for r in results]).eq(80 + 16).all()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fork_branches_evict_their_own_tails_and_leave_the_shared_prefix_byte_for_byte(
+    page_size,
+):
+    """What ``s.fork(3)`` sends: the prefix alone (cached on finish), then one request
+    per branch extending it, each under its own policy, decoded as one batch."""
+    engine = Engine(page_size=page_size, config=server(page_size))
+    prefix = list(range(100, 132))  # two pages of 16
+    commit = engine.add_request("commit", prefix)
+    engine.finish(commit)
+    before = prefix_entries(tree_digest(engine.cache), prefix)
+    assert len(before) == len(prefix)
+    policies = [{"kv_budget_tokens": 64, "cadence_tokens": 8}, {"scorer": "knorm"}, {}]
+    branches = [
+        engine.add_request(f"b{i}", [*prefix, 200 + i], custom_params=policy(**fields))
+        for i, fields in enumerate(policies)
+    ]
+    assert all(b.cache_protected_len >= len(prefix) for b in branches)  # matched, shared
+    run(engine, branches, 150)
+    assert {rid for rid, _ in engine.pass_log} == {"b0", "b1", "b2"}
+    assert prefix_entries(tree_digest(engine.cache), prefix) == before
+    for branch in branches:
+        engine.finish(branch)
+        engine.check()
+    assert prefix_entries(tree_digest(engine.cache), prefix) == before
+    later = engine.match([*prefix, 300, 301])
+    assert later.device_indices[: len(prefix)].tolist() == [slot for _, slot, _ in before]

@@ -4,7 +4,12 @@ idle-time check that it holds no per-request state, and an optional log line per
 * ``Scheduler.get_internal_state`` (AFTER hook): the reply SGLang sends for
   ``/get_server_info`` (``internal_states[i]``) and ``Engine.get_server_info()`` gains a
   ``sglang_evict`` entry: requests with eviction state, passes, tokens evicted, pages
-  freed, idle checks passed.
+  freed, idle checks passed, and SGLang's own pool accounting (``pool``: the
+  allocator's free slots, the radix tree's evictable and protected tokens).
+  ``SGLANG_EVICT_DEBUG_TREE=1`` adds ``radix_tree``: every tree node's tokens, slots,
+  lock count and, per slot, a SHA-256 prefix of its K/V rows in every layer (reads the
+  pool: a debugging aid, a synchronisation on a GPU; the tests use it to see that
+  shared prefixes stay where they are, byte for byte, even when a node is split).
 * ``Scheduler.on_idle`` (AFTER hook): when the scheduler is fully idle no request runs,
   so the plugin must hold no per-request state; like SGLang's own idle memory check it
   raises when ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE`` is on (SGLang's default)
@@ -27,6 +32,7 @@ HOOK_INTERNAL_STATE = "sglang.srt.managers.scheduler.Scheduler.get_internal_stat
 HOOK_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 LOG_PASSES_ENV = "SGLANG_EVICT_LOG_PASSES"
 PASS_LINE_PREFIX = "sglang-evict pass "  # engine_runner.parse_pass_lines reads it
+DEBUG_TREE_ENV = "SGLANG_EVICT_DEBUG_TREE"
 
 
 @dataclass
@@ -78,12 +84,80 @@ def plugin_report(manager, totals: PassTotals) -> dict:
     return report
 
 
-def _after_get_internal_state(result, *args, **kwargs):
+def pool_report(cache) -> dict:
+    """SGLang's own accounting of the KV pool (host counters: no device read)."""
+    return {
+        "free_slots": int(cache.token_to_kv_pool_allocator.available_size()),
+        "tree_evictable_tokens": int(cache.evictable_size()),
+        "tree_protected_tokens": int(cache.protected_size()),
+    }
+
+
+def tree_digest(cache) -> list[dict]:
+    """Every radix-tree node by id: its id, parent id, token ids, slots, lock count
+    and, per slot, the first 16 hex digits of the SHA-256 of that slot's K and V rows
+    in every layer (reads the pool)."""
+    import hashlib
+
+    import torch
+
+    pool = cache.evictor.pool
+    buffers = [*pool.k_buffers, *pool.v_buffers]
+    nodes, stack = [], list(cache.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        slots = node.value.to(torch.int64) if node.value is not None else torch.zeros(0)
+        rows = torch.cat(
+            [b.index_select(0, slots.to(b.device)).reshape(len(slots), -1) for b in buffers],
+            dim=1,
+        )
+        data = rows.contiguous().cpu().view(torch.uint8).numpy()
+        nodes.append(
+            {
+                "id": node.id,
+                "parent": None if node.parent is cache.root_node else node.parent.id,
+                "tokens": list(node.key.token_ids),
+                "slots": slots.tolist(),
+                "lock_ref": node.lock_ref,
+                "kv_sha256": [hashlib.sha256(row.tobytes()).hexdigest()[:16] for row in data],
+            }
+        )
+    return sorted(nodes, key=lambda entry: entry["id"])
+
+
+def prefix_entries(digest: list[dict], tokens: list[int]) -> list[tuple[int, int, str]]:
+    """``(token, slot, K/V hash)`` of each leading token of ``tokens`` a ``tree_digest``
+    holds, from the root down; per token, so a node split in between changes nothing."""
+    children: dict = {}
+    for node in digest:
+        children.setdefault(node["parent"], []).append(node)
+    entries, parent = [], None
+    while len(entries) < len(tokens):
+        at = len(entries)
+        node = next((n for n in children.get(parent, []) if n["tokens"][0] == tokens[at]), None)
+        if node is None:
+            break
+        for token, slot, kv in zip(node["tokens"], node["slots"], node["kv_sha256"], strict=True):
+            if len(entries) == len(tokens) or token != tokens[len(entries)]:
+                return entries
+            entries.append((token, slot, kv))
+        parent = node["id"]
+    return entries
+
+
+def _after_get_internal_state(result, scheduler, *args, **kwargs):
     from sglang_evict.srt.backend import _Active
 
     state = getattr(result, "internal_state", None)  # GetInternalStateReqOutput
-    if _Active.manager is not None and isinstance(state, dict):
-        state["sglang_evict"] = plugin_report(_Active.manager, _Active.totals)
+    if _Active.manager is None or not isinstance(state, dict):
+        return result
+    report = plugin_report(_Active.manager, _Active.totals)
+    cache = scheduler.tree_cache
+    report["pool"] = pool_report(cache)
+    if os.environ.get(DEBUG_TREE_ENV, "") not in ("", "0", "false"):
+        report["radix_tree"] = tree_digest(cache)
+    state["sglang_evict"] = report
     return result
 
 
