@@ -327,3 +327,15 @@ class FallbackCompactor:
                 return self.fallback.compact(plans, claim)
             self.sidecar_passes += 1
             return result
+
+
+def nothing_moved(error: Exception, compactor: Compactor) -> bool:
+    """Whether a failed ``compact`` call provably moved nothing: a refusal the server
+    (or the in-process compactor) makes before any byte moves, from a sidecar that
+    did not fail during the call. Anything else may have moved part of the plan."""
+    if isinstance(error, CompactionSkipped):
+        return True
+    sidecar_up = getattr(compactor, "sidecar_up", True)
+    if isinstance(error, LeaseRefused):
+        return sidecar_up  # down: the sidecar failed first, then the fallback refused
+    return isinstance(error, PlanError)

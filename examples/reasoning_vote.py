@@ -39,7 +39,7 @@ CHOICES = ["A", "B", "C", "D"]
 
 
 @sgl.function
-def reasoning_vote(s, question, num_paths, think_tokens, budget, temperature):
+def reasoning_vote(s, question, num_paths, think_tokens, budget):
     s += "Question: " + question + "\n"
     paths = s.fork(num_paths)
     for i, path in enumerate(paths):
@@ -47,7 +47,6 @@ def reasoning_vote(s, question, num_paths, think_tokens, budget, temperature):
         path += gen(
             "reasoning",
             max_tokens=think_tokens,
-            temperature=temperature,
             ignore_eos=True,
             kv_budget_tokens=budget,
         )
@@ -75,7 +74,7 @@ def main(argv=None) -> int:
         num_paths=args.paths,
         think_tokens=args.think_tokens,
         budget=args.budget,
-        temperature=args.temperature,
+        temperature=args.temperature,  # the sampling default of every gen of the run
         backend=EvictingEndpoint(args.url),
     )
     if state.error() is not None:

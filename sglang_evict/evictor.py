@@ -54,6 +54,7 @@ protected ranges the host counts rely on (``batch_pass.counts``) are held in ful
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -65,12 +66,12 @@ from torch import Tensor
 from compactor_service import tracing
 from compactor_service.compactor import Compactor, LeaseClaim, LeaseRefused
 from compactor_service.leases import Lease, LeaseStore
-from compactor_service.plan import PlanError
 from compactor_service.redis_leases import LeaseStoreUnavailable
 from sglang_evict.batch_pass import (
     BatchPlan,
     PassCounts,
     PlanInputs,
+    batch_strategy,
     pass_counts,
     plan_hole_fill,
     plan_repack,
@@ -315,6 +316,7 @@ class EvictionManager:
         only when nothing moved: the requests keep their full KV. Once slots may have
         moved, the pass always commits (module docstring)."""
         start = time.perf_counter()
+        due = [d if d.policy else dataclasses.replace(d, policy=self.default_policy) for d in due]
         work = [
             (d, self.counts(d.rid, d.kv_len, d.num_shared, d.prompt_len, d.policy)) for d in due
         ]
@@ -332,7 +334,7 @@ class EvictionManager:
         with tracing.tracer().start_as_current_span(tracing.SPAN_PASS) as span:
             span.set_attribute(tracing.ATTR_REQUESTS, len(work))
             span.set_attribute(tracing.ATTR_TOKENS_BEFORE, sum(c.kv_len for _, c in work))
-            names = sorted({self._policy(d).scorer for d, _ in work})
+            names = sorted({d.policy.scorer for d, _ in work})
             span.set_attribute(tracing.ATTR_SCORER, ",".join(names))
             lease = self._acquire_lease(span)
             try:
@@ -391,7 +393,9 @@ class EvictionManager:
     def _run(self, work, lease: Lease | None, start: float) -> list[PassResult]:
         tracer = tracing.tracer()
         counts = [c for _, c in work]
-        strategy, staging_counts = self._strategy(counts)
+        strategy, staging_counts = batch_strategy(
+            self.config.compaction, counts, self.pool.available_pages
+        )
         use = self.use_pool_kernels
         inputs = batch_inputs(
             pool=self.pool,
@@ -403,7 +407,7 @@ class EvictionManager:
             use_pool_kernels=self.device.type == "cuda" if use is None else use,
         )
         columns, rows_raw, view = inputs.columns, inputs.rows_raw, inputs.view
-        scorers = [self.scorer_for(self._policy(d).scorer) for d, _ in work]
+        scorers = [self.scorer_for(d.policy.scorer) for d, _ in work]
         with tracer.start_as_current_span(tracing.SPAN_SCORE):
             scores = score_rows(scorers, view, self._request_view(work, scorers, view))
             if self.score_reducer is not None:
@@ -469,19 +473,6 @@ class EvictionManager:
             for i, ((d, c), scorer) in enumerate(zip(work, scorers, strict=True))
         ]
 
-    def _policy(self, due: DueRequest) -> RequestPolicy:
-        return due.policy or self.default_policy
-
-    def _strategy(self, counts: list[PassCounts]) -> tuple[str, list[int]]:
-        """The batch's strategy and staging pages per request: ``repack`` claims an
-        upper bound of staging pages; when the allocator (host-known free count) is
-        short, the whole batch fills holes instead."""
-        strategy = self.config.compaction
-        staging = [c.staging_pages(strategy) for c in counts]
-        if sum(staging) and self.pool.available_pages() < sum(staging):
-            return "hole_fill", [0] * len(counts)
-        return strategy, staging
-
     def _request_view(self, work, scorers: list[Scorer], view: BatchKVView):
         """One request's ``KVView`` in logical order (scorers without a batched form)."""
 
@@ -544,7 +535,9 @@ class EvictionManager:
         try:
             self.compactor.compact(host_plans, claim)
         except Exception as error:
-            if _nothing_moved(error, self.compactor):
+            from compactor_service.client import nothing_moved  # gRPC: imported on failure
+
+            if nothing_moved(error, self.compactor):
                 raise
             # The sidecar may have moved part of the plan: complete it from the same
             # plan, here, and commit (invariant 3 makes the re-run safe).
@@ -619,17 +612,3 @@ class EvictionManager:
         if not protected <= held:
             missing = sorted(protected - held)[:8]
             raise AssertionError(f"request {rid}: protected positions {missing} are not held")
-
-
-def _nothing_moved(error: Exception, compactor: Compactor) -> bool:
-    """Whether a failed ``compact`` call provably moved nothing: a refusal the server
-    (or the in-process compactor) makes before any byte moves, from a sidecar that
-    did not fail during the call. Anything else may have moved part of the plan."""
-    from compactor_service.client import CompactionSkipped
-
-    if isinstance(error, CompactionSkipped):
-        return True
-    sidecar_up = getattr(compactor, "sidecar_up", True)
-    if isinstance(error, LeaseRefused):
-        return sidecar_up  # down: the sidecar failed first, then the fallback refused
-    return isinstance(error, PlanError)

@@ -17,7 +17,11 @@ import pytest
 
 from sglang_evict.engine_model import ensure_engine_model
 from sglang_evict.request_policy import report_of
-from sglang_evict.srt.engine_runner import parse_decode_steps
+from sglang_evict.srt.engine_runner import (
+    REQUEST_LINE_PREFIX,
+    parse_decode_steps,
+    parse_pass_lines,
+)
 from sglang_evict.srt.introspection import prefix_entries
 from tests.engine_harness import (
     CADENCE,
@@ -95,6 +99,10 @@ def test_concurrent_requests_hold_kv_bounded_by_their_own_budgets(server, tokeni
             e["tokens_before"] - e["tokens_after"] for e in passes[name]
         )
     assert passes["off"] == []  # eviction off: it grew to its whole length
+    logged = parse_pass_lines(_log_since(server, mark), REQUEST_LINE_PREFIX)
+    by_rid = {line.pop("rid"): line for line in logged}
+    for name, rid in rids.items():  # the log line clients without meta_info read
+        assert by_rid[rid] == report_of(outputs[name]["meta_info"]), name
     report = report_of(outputs["off"]["meta_info"])
     assert report["enabled"] is False and report["passes"] == 0
     assert report["peak_kv_tokens"] >= len(prompt) + new_tokens - 1

@@ -21,7 +21,7 @@ The numpy planner (``sglang_evict.planner``) and ``sglang_evict.selection`` are 
 references the tests hold these to.
 """
 
-from sglang_evict.batch_pass.counts import PassCounts, pass_counts
+from sglang_evict.batch_pass.counts import PassCounts, batch_strategy, pass_counts
 from sglang_evict.batch_pass.plan import BatchPlan, PlanInputs, plan_hole_fill, plan_repack
 from sglang_evict.batch_pass.scoring import score_batch, score_rows
 from sglang_evict.batch_pass.select import protected_ranges_mask, select_keep
@@ -30,6 +30,7 @@ __all__ = [
     "BatchPlan",
     "PassCounts",
     "PlanInputs",
+    "batch_strategy",
     "pass_counts",
     "plan_hole_fill",
     "plan_repack",

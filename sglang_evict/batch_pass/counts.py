@@ -44,6 +44,7 @@ a pass per step evicting one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -149,3 +150,15 @@ def pass_counts(
         budget=budget,
         page_size=page_size,
     )
+
+
+def batch_strategy(
+    configured: str, counts: list[PassCounts], available_pages: Callable[[], int]
+) -> tuple[str, list[int]]:
+    """The batch's strategy and staging pages per request: ``repack`` claims an upper
+    bound of staging pages; when the allocator (its host-known free count,
+    ``available_pages()``) is short, the whole batch fills holes instead."""
+    staging = [c.staging_pages(configured) for c in counts]
+    if sum(staging) and available_pages() < sum(staging):
+        return "hole_fill", [0] * len(counts)
+    return configured, staging

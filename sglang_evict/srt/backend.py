@@ -12,7 +12,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from torch import Tensor
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.srt.introspection import PassTotals
+from sglang_evict.srt.introspection import PassTotals, log_passes_enabled, log_request
 from sglang_evict.srt.manager import forward_stream_of, make_manager
 from sglang_evict.srt.pools import free_slots
 from sglang_evict.srt.request_policy import eviction_report, request_limits, write_report
@@ -49,7 +49,10 @@ class EvictingRadixCache(RadixCache):
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         # Before the state goes: SGLang streams the request's last output after this.
-        write_report(req, eviction_report(req, self.evictor))
+        report = eviction_report(req, self.evictor)
+        write_report(req, report)
+        if log_passes_enabled():
+            log_request(req.rid, report)
         state = self.evictor.states.get(req.rid)
         if state is None or self.disable:
             return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)

@@ -35,6 +35,7 @@ from sglang_evict.srt.server_args import BACKEND_NAME, CONFIG_ENV
 
 DECODE_LINE = re.compile(r"Decode batch[^#]*#running-req: (\d+), #token: (\d+)")
 PASS_LINE_PREFIX = "sglang-evict pass "
+REQUEST_LINE_PREFIX = "sglang-evict request "  # introspection.REQUEST_LINE_PREFIX
 _AUTHKEY_ENV = "SGLANG_EVICT_ENGINE_RUNNER_KEY"
 START_TIMEOUT_S = 600.0
 
@@ -84,13 +85,14 @@ def parse_decode_steps(log: str) -> list[DecodeStep]:
     return [DecodeStep(int(n), int(t)) for n, t in DECODE_LINE.findall(log)]
 
 
-def parse_pass_lines(log: str) -> list[dict]:
-    """The plugin's per-pass log records (``SGLANG_EVICT_LOG_PASSES=1``), as dicts."""
+def parse_pass_lines(log: str, prefix: str = PASS_LINE_PREFIX) -> list[dict]:
+    """The plugin's per-pass log records (``SGLANG_EVICT_LOG_PASSES=1``), as dicts;
+    ``prefix=REQUEST_LINE_PREFIX``: its per-request records."""
     records = []
     for line in log.splitlines():
-        at = line.find(PASS_LINE_PREFIX)
+        at = line.find(prefix)
         if at >= 0:
-            records.append(json.loads(line[at + len(PASS_LINE_PREFIX) :]))
+            records.append(json.loads(line[at + len(prefix) :]))
     return records
 
 

@@ -16,7 +16,10 @@ idle-time check that it holds no per-request state, and an optional log line per
   and warns otherwise.
 * ``SGLANG_EVICT_LOG_PASSES=1``: one JSON log line per decode step with passes
   (``sglang-evict pass {...}``): each request's tokens before/after and pages freed, and
-  the allocator's free slots before and after the pass, read from SGLang's allocator.
+  the allocator's free slots before and after the pass, read from SGLang's allocator;
+  and one per finished request (``sglang-evict request {...}``): its id and the report
+  its ``meta_info["sglang_evict"]`` carries (for clients that do not see meta_info,
+  such as the OpenAI routes).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ HOOK_INTERNAL_STATE = "sglang.srt.managers.scheduler.Scheduler.get_internal_stat
 HOOK_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 LOG_PASSES_ENV = "SGLANG_EVICT_LOG_PASSES"
 PASS_LINE_PREFIX = "sglang-evict pass "  # engine_runner.parse_pass_lines reads it
+REQUEST_LINE_PREFIX = "sglang-evict request "
 DEBUG_TREE_ENV = "SGLANG_EVICT_DEBUG_TREE"
 
 
@@ -69,6 +73,10 @@ def log_pass(requests: list[dict], free_slots_before: int, free_slots_after: int
             sort_keys=True,
         ),
     )
+
+
+def log_request(rid: str, report: dict) -> None:
+    logger.info("%s%s", REQUEST_LINE_PREFIX, json.dumps({"rid": rid, **report}, sort_keys=True))
 
 
 def plugin_report(manager, totals: PassTotals) -> dict:
