@@ -250,6 +250,7 @@ def test_example_program_runs_to_completion_against_the_server(server, example, 
         timeout=900,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    print(done.stdout)  # the program's own account, shown with -s / -rP
     summary = json.loads(done.stdout.split("summary ", 1)[1])
     if example == "reasoning_vote.py":
         assert len(summary["answers"]) == 3 and summary["winner"] in summary["answers"]

@@ -406,6 +406,8 @@ def test_replicas_sharing_redis_use_one_lease_namespace_per_pod(render, placemen
             "not both",
         ),
         ({"eviction": {"kvBudget": 260, "kvWindow": 256}}, "leaves no room to choose"),
+        ({"eviction": {"kvRequestMaxBudget": 1024}}, "kvRequestMaxBudget=1024 is below"),
+        ({"eviction": {"kvRequestMaxCadence": 64}}, "kvRequestMaxCadence=64 is below"),
         ({"sglang": {"extraArgs": ["--kv-budget", "10"]}}, "--kv-budget is set by the chart"),
         ({"sglang": {"extraArgs": ["--tp-size=2"]}}, "--tp-size is set by the chart"),
         (
@@ -432,6 +434,8 @@ def test_replicas_sharing_redis_use_one_lease_namespace_per_pod(render, placemen
         "triattention-no-stats",
         "two-stats-sources",
         "budget-within-kept",
+        "request-max-budget-below-budget",
+        "request-max-cadence-below-cadence",
         "extra-kv-flag",
         "extra-tp-flag",
         "two-redis-urls",
@@ -528,6 +532,16 @@ def test_eviction_flags_reach_the_server_command(render):
     assert {flag: flag_value(args, flag) for flag in expected} == expected
     assert "--kv-scorer-stats" not in args
     assert args[-2:] == ["--mem-fraction-static", "0.85"]
+
+
+def test_request_limits_reach_the_server_command_only_when_set(render):
+    args = server_argv(render("defaults"))
+    assert not [arg for arg in args if arg.startswith("--kv-request-")]
+    limits = {"kvRequestMaxBudget": 8192, "kvRequestMaxCadence": 256, "kvRequestAllowDisable": True}
+    args = server_argv(render({"eviction": limits}))
+    assert flag_value(args, "--kv-request-max-budget") == "8192"
+    assert flag_value(args, "--kv-request-max-cadence") == "256"
+    assert "--kv-request-allow-disable" in args
 
 
 def test_large_integers_are_not_rendered_in_float_notation(render):

@@ -18,12 +18,15 @@ from sglang_evict.request_policy import (
 SCORERS = ("streaming", "knorm", "random")
 
 
-def server(**overrides) -> EvictionConfig:
+def server(page_size: int = 1, **overrides) -> EvictionConfig:
+    """The policy of the tests' servers (``tests.engine_harness.POLICY_SERVER``'s)."""
     fields = dict(
         kv_budget_tokens=48,
         cadence_tokens=16,
         sink_tokens=4,
         window_tokens=16,
+        scorer="streaming",
+        page_size=page_size,
         request_max_budget_tokens=4096,
         request_max_cadence_tokens=64,
         request_allow_disable=True,
@@ -63,47 +66,27 @@ def test_overrides_replace_only_the_fields_they_name(overrides, expected):
     )
 
 
-# (overrides, field named, words the message must hold)
+B, C = "kv_budget_tokens", "cadence_tokens"
+
+
+def _bad(case_id: str, overrides, field: str, words: str):
+    """A refused value: the field the error names and words its message must hold."""
+    return pytest.param(overrides, field, words, id=case_id)
+
+
 BAD_VALUES = [
-    pytest.param(
-        {"kv_budget_tokens": 20},
-        "kv_budget_tokens",
-        "allowed: [21, 4096]",
-        id="budget-at-always-kept",
-    ),
-    pytest.param(
-        {"kv_budget_tokens": 4097}, "kv_budget_tokens", "allowed: [21, 4096]", id="budget-above-max"
-    ),
-    pytest.param(
-        {"kv_budget_tokens": "64"},
-        "kv_budget_tokens",
-        "must be an integer in [21, 4096]",
-        id="budget-string",
-    ),
-    pytest.param(
-        {"kv_budget_tokens": 64.0}, "kv_budget_tokens", "must be an integer", id="budget-float"
-    ),
-    pytest.param(
-        {"kv_budget_tokens": True}, "kv_budget_tokens", "must be an integer", id="budget-bool"
-    ),
-    pytest.param({"cadence_tokens": 0}, "cadence_tokens", "allowed: [1, 64]", id="cadence-zero"),
-    pytest.param(
-        {"cadence_tokens": 65}, "cadence_tokens", "allowed: [1, 64]", id="cadence-above-max"
-    ),
-    pytest.param(
-        {"scorer": "knrom"},
-        "scorer",
-        "allowed: ['streaming', 'knorm', 'random']",
-        id="scorer-unknown",
-    ),
-    pytest.param(
-        {"scorer": "triattention"}, "scorer", "not served per request", id="scorer-needs-stats"
-    ),
-    pytest.param({"enabled": "no"}, "enabled", "must be true or false", id="enabled-string"),
-    pytest.param(
-        {"budget": 64}, "budget", "allowed: ['enabled', 'kv_budget_tokens'", id="unknown-field"
-    ),
-    pytest.param([64], "sglang_evict", "must be an object", id="not-an-object"),
+    _bad("budget-at-always-kept", {B: 20}, B, "allowed: [21, 4096]"),
+    _bad("budget-above-max", {B: 4097}, B, "allowed: [21, 4096]"),
+    _bad("budget-string", {B: "64"}, B, "must be an integer in [21, 4096]"),
+    _bad("budget-float", {B: 64.0}, B, "must be an integer"),
+    _bad("budget-bool", {B: True}, B, "must be an integer"),
+    _bad("cadence-zero", {C: 0}, C, "allowed: [1, 64]"),
+    _bad("cadence-above-max", {C: 65}, C, "allowed: [1, 64]"),
+    _bad("scorer-unknown", {"scorer": "knrom"}, "scorer", "['streaming', 'knorm', 'random']"),
+    _bad("scorer-needs-stats", {"scorer": "triattention"}, "scorer", "not served per request"),
+    _bad("enabled-string", {"enabled": "no"}, "enabled", "must be true or false"),
+    _bad("unknown-field", {"budget": 64}, "budget", "allowed: ['enabled', 'kv_budget_tokens'"),
+    _bad("not-an-object", [64], "sglang_evict", "must be an object"),
 ]
 
 

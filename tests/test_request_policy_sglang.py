@@ -12,7 +12,6 @@ import pytest
 import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-from sglang_evict.config import EvictionConfig
 from sglang_evict.request_policy import (
     REPORT_KEY,
     RequestPolicyError,
@@ -29,21 +28,7 @@ from sglang_evict.srt.request_policy import (
 )
 from sglang_evict.srt.server_args import BACKEND_NAME, CONFIG_ENV
 from tests.sglang_harness import Engine
-
-
-def server(page_size: int = 1, **overrides) -> EvictionConfig:
-    fields = dict(
-        kv_budget_tokens=48,
-        cadence_tokens=16,
-        sink_tokens=4,
-        window_tokens=16,
-        scorer="streaming",
-        page_size=page_size,
-        request_max_budget_tokens=256,
-        request_max_cadence_tokens=64,
-        request_allow_disable=True,
-    )
-    return EvictionConfig(**{**fields, **overrides})
+from tests.test_request_policy import server
 
 
 def policy(**fields) -> dict:
@@ -115,7 +100,7 @@ def test_schedulers_check_aborts_a_refused_request_before_any_state():
     engine = Engine(page_size=1, config=server())
     scheduler = SimpleNamespace(tree_cache=engine.cache)
     good = _queued_req("good", {"kv_budget_tokens": 64})
-    bad = _queued_req("bad", {"kv_budget_tokens": 257})
+    bad = _queued_req("bad", {"kv_budget_tokens": 4097})
     from sglang.srt.runtime_context import get_parallel
 
     with get_parallel().override(tp_rank=0):  # a scheduler's rank (its abort logs on rank 0)
@@ -126,8 +111,8 @@ def test_schedulers_check_aborts_a_refused_request_before_any_state():
     assert isinstance(bad.to_finish, FINISH_ABORT)
     finish = bad.to_finish.to_json()
     assert finish["status_code"] == 400
-    assert "custom_params.sglang_evict.kv_budget_tokens=257" in finish["message"]
-    assert "allowed: [21, 256]" in finish["message"]
+    assert "custom_params.sglang_evict.kv_budget_tokens=4097" in finish["message"]
+    assert "allowed: [21, 4096]" in finish["message"]
     assert not engine.cache.evictor.states
 
 

@@ -220,6 +220,17 @@ only, not SGLang's processes (which take their tracing set-up from their own fla
 {{- end }}
 - --kv-compaction
 - {{ $e.kvCompaction | quote }}
+{{- if $e.kvRequestMaxBudget }}
+- --kv-request-max-budget
+- {{ $e.kvRequestMaxBudget | int | quote }}
+{{- end }}
+{{- if $e.kvRequestMaxCadence }}
+- --kv-request-max-cadence
+- {{ $e.kvRequestMaxCadence | int | quote }}
+{{- end }}
+{{- if $e.kvRequestAllowDisable }}
+- --kv-request-allow-disable
+{{- end }}
 {{- if include "sglang-evict.compactorEnabled" . }}
 - --kv-compactor
 - grpc
@@ -269,6 +280,12 @@ Mirrors what `sglang-evict serve` and EvictionConfig refuse, so a bad release fa
 {{- $kept := add $e.kvSinkTokens $e.kvProtectedTokens $e.kvWindow -}}
 {{- if le (int $e.kvBudget) (int $kept) -}}
 {{- fail (printf "eviction.kvBudget=%d leaves no room to choose: it must exceed kvSinkTokens + kvProtectedTokens + kvWindow = %d; raise kvBudget or lower kvWindow/kvSinkTokens/kvProtectedTokens" (int $e.kvBudget) (int $kept)) -}}
+{{- end -}}
+{{- if and $e.kvRequestMaxBudget (lt (int $e.kvRequestMaxBudget) (int $e.kvBudget)) -}}
+{{- fail (printf "eviction.kvRequestMaxBudget=%d is below eviction.kvBudget=%d: a request's maximum cannot be below the default it starts from; raise it, or 0 for kvBudget" (int $e.kvRequestMaxBudget) (int $e.kvBudget)) -}}
+{{- end -}}
+{{- if and $e.kvRequestMaxCadence (lt (int $e.kvRequestMaxCadence) (int $e.kvCadence)) -}}
+{{- fail (printf "eviction.kvRequestMaxCadence=%d is below eviction.kvCadence=%d: a request's maximum cannot be below the default it starts from; raise it, or 0 for kvCadence" (int $e.kvRequestMaxCadence) (int $e.kvCadence)) -}}
 {{- end -}}
 {{- $owned := list "--model-path" "--tp-size" "--tp" "--host" "--port" "--page-size" "--enable-metrics" "--enable-trace" "--otlp-traces-endpoint" "--radix-cache-backend" -}}
 {{- range .Values.sglang.extraArgs -}}
