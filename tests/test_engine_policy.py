@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -243,11 +244,13 @@ def test_forked_branches_evict_their_own_tokens_and_leave_the_shared_prefix(
     ],
 )
 def test_example_program_runs_to_completion_against_the_server(server, example, args):
+    paths = [str(ROOT), str(ROOT / "kernels"), os.environ.get("PYTHONPATH", "")]
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / example), "--url", server.url, *args],
         capture_output=True,
         text=True,
         timeout=900,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},  # this checkout's code
     )
     assert done.returncode == 0, done.stdout + done.stderr
     print(done.stdout)  # the program's own account, shown with -s / -rP

@@ -20,6 +20,7 @@ from sglang_evict.request_policy import (
 )
 from sglang_evict.srt.introspection import prefix_entries, tree_digest
 from sglang_evict.srt.request_policy import (
+    CARRIED_ATTR,
     POLICY_ATTR,
     _after_validate_one_request,
     _before_add_request_to_queue,
@@ -258,3 +259,25 @@ def test_fork_branches_evict_their_own_tails_and_leave_the_shared_prefix_byte_fo
     assert prefix_entries(tree_digest(engine.cache), prefix) == before
     later = engine.match([*prefix, 300, 301])
     assert later.device_indices[: len(prefix)].tolist() == [slot for _, slot, _ in before]
+
+
+def test_report_counts_the_passes_from_before_a_retraction():
+    """A retracted request loses its eviction state (it is re-prefilled from its
+    tokens); its report at finish still counts every pass since it was admitted."""
+    engine = Engine(page_size=1, config=server())
+    overrides = policy(kv_budget_tokens=32)
+    req = engine.add_request("r", list(range(10, 18)), custom_params=overrides)
+    run(engine, [req], 100)
+    tokens = list(req.origin_input_ids) + list(req.output_ids)
+    engine.driver.retract(req)
+    assert req.customized_info is None  # no report for a request that goes on
+    # SGLang queues the same Req again; the driver admits a new one from its tokens,
+    # so the retracted Req's carried counts are handed over here.
+    again = engine.add_request("r", tokens, custom_params=overrides)
+    setattr(again, CARRIED_ATTR, getattr(req, CARRIED_ATTR))
+    run(engine, [again], 60)
+    engine.finish(again)
+    results = [r for _, r in engine.pass_log]
+    report = report_of({REPORT_KEY: again.customized_info[REPORT_KEY]})
+    assert report["passes"] == len(results) > getattr(req, CARRIED_ATTR)[0] > 0
+    assert report["tokens_evicted"] == sum(r.tokens_evicted for r in results)

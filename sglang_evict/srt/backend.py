@@ -15,7 +15,7 @@ from sglang_evict.config import EvictionConfig
 from sglang_evict.srt.introspection import PassTotals, log_passes_enabled, log_request
 from sglang_evict.srt.manager import forward_stream_of, make_manager
 from sglang_evict.srt.pools import free_slots
-from sglang_evict.srt.request_policy import eviction_report, request_limits, write_report
+from sglang_evict.srt.request_policy import request_limits, settle_report
 from sglang_evict.srt.server_args import check_startup, config_from_env, model_facts_of_context
 from sglang_evict.srt.tp import TP_REDUCED_SCORERS, tp_score_reducer
 
@@ -49,9 +49,8 @@ class EvictingRadixCache(RadixCache):
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         # Before the state goes: SGLang streams the request's last output after this.
-        report = eviction_report(req, self.evictor)
-        write_report(req, report)
-        if log_passes_enabled():
+        report = settle_report(req, self.evictor)
+        if report is not None and log_passes_enabled():
             log_request(req.rid, report)
         state = self.evictor.states.get(req.rid)
         if state is None or self.disable:

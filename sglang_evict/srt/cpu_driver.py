@@ -241,8 +241,11 @@ class MemoryDriver:
         return out_slots.to(torch.int64), positions, passes
 
     def finish(self, req) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
         from sglang.srt.mem_cache.common import release_kv_cache
 
+        if not req.finished():  # as SGLang's scheduler marks it before releasing
+            req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
         release_kv_cache(req, self.cache)
         del self.running[req.rid]
 

@@ -33,6 +33,7 @@ from functools import lru_cache
 
 from sglang_evict.request_policy import (
     CARRIER_KEY,
+    REPORT_FIELDS,
     REPORT_KEY,
     RequestLimits,
     RequestPolicy,
@@ -52,6 +53,9 @@ HOOK_VALIDATE_REQUEST = (
 HOOK_ADD_REQUEST_TO_QUEUE = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
 # The attribute of SGLang's Req holding its resolved RequestPolicy (lives as the Req does).
 POLICY_ATTR = "sglang_evict_policy"
+# Passes, tokens evicted and peak KV of a request before it was retracted (its eviction
+# state is dropped then: it is re-prefilled from its tokens), added to its final report.
+CARRIED_ATTR = "sglang_evict_carried"
 
 
 def request_scorers(config, tp_size: int = 1) -> tuple[str, ...]:
@@ -136,7 +140,9 @@ def _before_add_request_to_queue(scheduler, req, *args, **kwargs):
 
     cache = getattr(scheduler, "tree_cache", None)
     retracted = kwargs.get("is_retracted", args[0] if args else False)
-    if not isinstance(cache, EvictingRadixCache) or retracted or req.finished():
+    if not isinstance(cache, EvictingRadixCache) or retracted:
+        return None
+    if req.finished() or req.to_finish is not None:  # already refused by SGLang itself
         return None
     manager = cache.evictor
     limits = manager.request_limits or request_limits(manager.config)
@@ -151,17 +157,30 @@ def _before_add_request_to_queue(scheduler, req, *args, **kwargs):
 
 
 def eviction_report(req, manager) -> dict:
-    """What eviction did to ``req`` (called as it finishes, before its state is
-    dropped): its policy, passes, tokens evicted and the most KV it held."""
+    """What eviction did to ``req`` so far (read before its state is dropped): its
+    policy, passes, tokens evicted and the most KV it held, since it was admitted."""
     policy = policy_of(req) or manager.default_policy
+    passes, evicted, peak = getattr(req, CARRIED_ATTR, (0, 0, 0))
     state = manager.states.get(req.rid)
     held = req.kv.kv_allocated_len if req.kv is not None else req.kv_committed_len
     return {
         **policy.as_dict(),
-        "passes": state.num_passes if state else 0,
-        "tokens_evicted": state.tokens_evicted if state else 0,
-        "peak_kv_tokens": max(state.peak_kv_tokens if state else 0, held),
+        "passes": passes + (state.num_passes if state else 0),
+        "tokens_evicted": evicted + (state.tokens_evicted if state else 0),
+        "peak_kv_tokens": max(peak, state.peak_kv_tokens if state else 0, held),
     }
+
+
+def settle_report(req, manager) -> dict | None:
+    """As ``req`` releases its KV (``cache_finished_req``): a finished request gets its
+    report (returned); a retracted one keeps its counts for the report it gets when it
+    finishes after its re-prefill (None)."""
+    report = eviction_report(req, manager)
+    if not req.finished():  # retraction: SGLang releases unfinished requests only then
+        setattr(req, CARRIED_ATTR, tuple(report[key] for key in REPORT_FIELDS))
+        return None
+    write_report(req, report)
+    return report
 
 
 def write_report(req, report: dict) -> None:
