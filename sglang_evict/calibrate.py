@@ -124,7 +124,13 @@ def load_model(model_path: Path):
     read_model_config(model_path)
     safetensors_files(model_path)
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
+    # transformers' own load report (a multi-line table of missing keys) would come
+    # before the one-line error below; the error names what matters, so the report is
+    # silenced for the load and the caller's verbosity restored after it.
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(
             str(model_path), dtype=torch.float32, use_safetensors=True, output_loading_info=True
@@ -133,6 +139,8 @@ def load_model(model_path: Path):
         raise _folder_error(
             model_path, f"transformers cannot load it as a causal LM ({first_line(error)})"
         ) from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
     missing = sorted(loading.get("missing_keys") or ())
     if missing:  # transformers fills them with random values: statistics of noise
         raise _folder_error(

@@ -70,11 +70,12 @@ def run(args: argparse.Namespace) -> int:
             engine.wait_ready()
         print(f"engines ready after {time.monotonic() - started:.0f} s", flush=True)
         sampling = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
+        named = {"with eviction": evicting, "without (plain SGLang)": plain}
+        marks = {name: engine.mark() for name, engine in named.items()}
+        _generate_with_progress(named, prompts, sampling, args.new_tokens)
         runs = {}
-        for name, engine in (("with eviction", evicting), ("without (plain SGLang)", plain)):
-            mark = engine.mark()
-            _generate_with_progress(engine, prompts, sampling, name, args.new_tokens)
-            steps = engine.decode_steps(mark)
+        for name, engine in named.items():
+            steps = engine.decode_steps(marks[name])
             while steps and steps[-1].tokens_held == 0:  # logged after the batch finished
                 steps.pop()
             runs[name] = (steps, engine.plugin_state())
@@ -106,35 +107,51 @@ def _prompts(tokenizer, num_requests: int, prompt_tokens: int) -> list[list[int]
     return prompts
 
 
-def _generate_with_progress(engine, prompts, sampling, name, new_tokens) -> list[dict]:
-    """Generate in a worker thread; the bar follows SGLang's decode log."""
+def _generate_with_progress(engines: dict, prompts, sampling, new_tokens: int) -> None:
+    """Generate on every engine at once (one worker thread each: the engines are separate
+    processes, so on 2 cores the two runs take the time of one); one bar per engine
+    follows its SGLang decode log."""
     from tqdm import tqdm
 
     from sglang_evict.srt.engine_runner import parse_decode_steps
 
-    result: dict = {}
+    errors: list[BaseException] = []
 
-    def work():
+    def work(engine):
         try:
-            result["outputs"] = engine.generate(prompts, sampling)
+            engine.generate(prompts, sampling)
         except BaseException as error:  # re-raised in the caller's thread
-            result["error"] = error
+            errors.append(error)
 
-    start = engine.log_path.stat().st_size
-    worker = threading.Thread(target=work, daemon=True)
-    worker.start()
-    with tqdm(
-        total=new_tokens, desc=name, unit="step", leave=False, file=sys.stdout, mininterval=1.0
-    ) as bar:
-        while worker.is_alive():
-            worker.join(0.5)
-            with open(engine.log_path, "rb") as log:
-                log.seek(start)
-                steps = len(parse_decode_steps(log.read().decode(errors="replace")))
-            bar.update(min(steps, new_tokens) - bar.n)
-    if "error" in result:
-        raise result["error"]
-    return result["outputs"]
+    starts = {name: engine.log_path.stat().st_size for name, engine in engines.items()}
+    workers = [threading.Thread(target=work, args=(e,), daemon=True) for e in engines.values()]
+    bars = {
+        name: tqdm(
+            total=new_tokens,
+            desc=f"{name:<24}",
+            unit="step",
+            leave=False,
+            position=position,
+            file=sys.stdout,
+            mininterval=1.0,
+        )
+        for position, name in enumerate(engines)
+    }
+    for worker in workers:
+        worker.start()
+    try:
+        while any(worker.is_alive() for worker in workers):
+            time.sleep(0.5)
+            for name, engine in engines.items():
+                with open(engine.log_path, "rb") as log:
+                    log.seek(starts[name])
+                    steps = len(parse_decode_steps(log.read().decode(errors="replace")))
+                bars[name].update(min(steps, new_tokens) - bars[name].n)
+    finally:
+        for bar in bars.values():
+            bar.close()
+    if errors:
+        raise errors[0]
 
 
 def _report(runs: dict, page_size: int, args: argparse.Namespace) -> None:

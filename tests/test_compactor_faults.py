@@ -8,32 +8,15 @@ import json
 import pytest
 import torch
 
-from sglang_evict.config import EvictionConfig
 from sglang_evict.reference_loop import GenerationRequest, generate
-from sglang_evict.reference_model import PagedLlama, build_tiny_llama
 from sglang_evict.srt.cpu_driver import MemoryDriver
 from tests.compactor_process import CompactorProcess
-
-PAGE = 4
+from tests.fault_driver import PAGE, fault_model, make_driver
 
 
 @pytest.fixture(scope="module")
 def model():
-    return PagedLlama(build_tiny_llama(seed=3))
-
-
-def make_driver(model, **compactor_fields) -> MemoryDriver:
-    config = EvictionConfig(
-        kv_budget_tokens=32,
-        cadence_tokens=2,
-        sink_tokens=2,
-        window_tokens=8,
-        page_size=PAGE,
-        **compactor_fields,
-    )
-    return MemoryDriver.for_model(
-        model, page_size=PAGE, num_tokens=2048, config=config, max_context=512
-    )
+    return fault_model()
 
 
 def requests(num_requests: int, new_tokens: int) -> list[GenerationRequest]:

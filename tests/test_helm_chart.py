@@ -60,6 +60,8 @@ EVICTION_METRICS = {
     "sglang_evict:slot_copies_total",
     "sglang_evict:bytes_moved_total",
     "sglang_evict:pass_failures_total",
+    "sglang_evict:lease_release_failures_total",
+    "sglang_evict:pass_forced_completions_total",
     "sglang_evict:pass_duration_seconds",
     "sglang_evict:budget_occupancy_ratio",
     "sglang_evict:compactor_up",

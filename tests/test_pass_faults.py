@@ -20,35 +20,19 @@ from collections import Counter
 import pytest
 import torch
 
-from sglang_evict.config import EvictionConfig
 from sglang_evict.reference_loop import GenerationRequest, generate
-from sglang_evict.reference_model import PagedLlama, build_tiny_llama
 from sglang_evict.srt.cpu_driver import MemoryDriver
 from tests.compactor_process import CompactorProcess
+from tests.fault_driver import fault_model, make_driver, plain_driver
 from tests.redis_server import RedisServer
 from tests.sglang_harness import sglang_checker
 
-PAGE = 4
 KILL_MOMENTS = ("before-rpc", "during-rpc", "after-rpc")
 
 
 @pytest.fixture(scope="module")
 def model():
-    return PagedLlama(build_tiny_llama(seed=3))
-
-
-def make_driver(model, **fields) -> MemoryDriver:
-    config = EvictionConfig(
-        kv_budget_tokens=32,
-        cadence_tokens=2,
-        sink_tokens=2,
-        window_tokens=8,
-        page_size=PAGE,
-        **fields,
-    )
-    return MemoryDriver.for_model(
-        model, page_size=PAGE, num_tokens=2048, config=config, max_context=512
-    )
+    return fault_model()
 
 
 def requests() -> list[GenerationRequest]:
@@ -194,6 +178,6 @@ def test_redis_killed_around_passes_corrupts_nothing_and_frees_no_page_twice(
     assert driver.cache.protected_size() == 0
     assert driver.free_tokens() + driver.cache.evictable_size() == driver.num_tokens
     # The outputs are those of a full cache masked to what each step attended to.
-    plain = MemoryDriver.for_model(model, page_size=PAGE, num_tokens=2048, max_context=512)
+    plain = plain_driver(model)
     replay = generate(plain, model, work, attend_masks=result.attended)
     assert replay.outputs == result.outputs

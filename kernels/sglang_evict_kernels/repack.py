@@ -15,7 +15,8 @@ from torch import Tensor
 from sglang_evict_kernels._device import cached_int64, pointer_table
 
 
-def _check_moves(buffers: Sequence[Tensor], src_slots: Tensor, dst_slots: Tensor) -> None:
+def _check_move_shapes(src_slots: Tensor, dst_slots: Tensor) -> None:
+    """Equal 1-D int64 slot lists (checked from metadata only: no device read)."""
     if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
         raise ValueError(
             f"src_slots {tuple(src_slots.shape)} and dst_slots {tuple(dst_slots.shape)} must "
@@ -23,6 +24,10 @@ def _check_moves(buffers: Sequence[Tensor], src_slots: Tensor, dst_slots: Tensor
         )
     if src_slots.dtype != torch.int64 or dst_slots.dtype != torch.int64:
         raise ValueError("src_slots and dst_slots must be int64")
+
+
+def _check_moves(buffers: Sequence[Tensor], src_slots: Tensor, dst_slots: Tensor) -> None:
+    _check_move_shapes(src_slots, dst_slots)
     if src_slots.numel() == 0:
         return
     num_slots = min(buf.shape[0] for buf in buffers)
@@ -224,13 +229,7 @@ def repack_kv_independent(
     and the rest are copied with ``index_select``/``index_copy_`` per buffer.
     """
     buffers = [*k_buffers, *v_buffers]
-    if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
-        raise ValueError(
-            f"src_slots {tuple(src_slots.shape)} and dst_slots {tuple(dst_slots.shape)} must "
-            f"be equal 1-D shapes"
-        )
-    if src_slots.dtype != torch.int64 or dst_slots.dtype != torch.int64:
-        raise ValueError("src_slots and dst_slots must be int64")
+    _check_move_shapes(src_slots, dst_slots)
     if src_slots.numel() == 0:
         return
     device = buffers[0].device

@@ -42,13 +42,13 @@ START_TIMEOUT_S = 600.0
 
 def cpu_engine_kwargs(model_path: str | os.PathLike, **overrides) -> dict:
     """``sglang.Engine`` arguments that start SGLang 0.5.17's engine on a CPU-only
-    machine (why each is needed: ../shared/cpu-engine/README.md and the README)."""
+    machine (why each is needed: the README's "SGLang's real engine on CPU"; CUDA graphs
+    are off because SGLang turns them off for ``torch_native``)."""
     kwargs = dict(
         model_path=str(model_path),
         device="cpu",
         model_impl="transformers",  # SGLang's native Llama needs vllm's CPU ops
         attention_backend="torch_native",  # the CPU default (intel_amx) needs AMX
-        disable_cuda_graph=True,
         dtype="float32",
         max_total_tokens=4096,
         sampling_backend="pytorch",
