@@ -268,7 +268,11 @@ def on_forward_batch(forward_batch, batch, model_runner) -> None:
 
 
 def attach(manager, model_runner) -> None:
-    """Give the cache's manager this process's ring (the radix-cache factory)."""
+    """Give the cache's manager this process's ring (the radix-cache factory). A cache
+    built without a model runner (tests, CPU drivers) runs no attention here: it gets
+    no ring, and a query-reading scorer's passes refuse with the fix."""
+    if model_runner is None:
+        return
     STATE.attention_backend = type(getattr(model_runner, "attn_backend", None)).__name__
     if not manager.scorer.needs_queries:
         return
