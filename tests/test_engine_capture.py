@@ -17,6 +17,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from tests.engine_harness import EngineSpec, greedy, policy_fields, reference_outputs
 
@@ -156,3 +157,40 @@ def test_an_evictable_prompt_is_scored_at_its_first_pass_by_its_prefill_queries(
     assert first["tokens_before"] == len(prompt) + 1 == result.passes[0][2].tokens_before
     assert first["tokens_after"] == policy["kv_budget_tokens"]
     assert result.passes[0][1] == 1  # the reference's second decode step too
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU backends)")
+@pytest.mark.parametrize(
+    ("backend", "backend_class"),
+    [("triton", "TritonAttnBackend"), ("flashinfer", "FlashInferAttnBackend")],
+)
+def test_gpu_backend_captures_queries_inside_cuda_graph_replays(
+    engines, prompts, backend, backend_class
+):
+    """On a GPU backend, decode runs as CUDA-graph replays, where no Python hook runs:
+    the ring still gets each step's queries (the copy is in the graph), so ``rkv``
+    generates the same tokens with graphs as without, and the backend is SGLang's."""
+    gpu = {
+        "device": "cuda",
+        "attention_backend": backend,
+        "model_impl": "auto",
+        "dtype": "bfloat16",
+    }
+    outputs = {}
+    for graphs in (True, False):
+        spec = EngineSpec.plugin(
+            1,
+            engine_args={
+                **gpu,
+                "disable_cuda_graph": not graphs,
+                "max_running_requests": MAX_RUNNING_REQUESTS,
+            },
+            **capture_policy("rkv"),
+        )
+        engine = engines.get(spec)
+        mark = engine.mark()
+        (out,) = engine.generate(prompts[:1], greedy(NEW_TOKENS))  # batch of one: no padding
+        assert engine.pass_records(mark), "no pass ran"
+        assert engine.plugin_state()["query_capture"]["attention_backend"] == backend_class
+        outputs[graphs] = out["output_ids"]
+    assert outputs[True] == outputs[False]

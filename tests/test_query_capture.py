@@ -344,3 +344,96 @@ def test_rkv_never_materialises_a_token_by_token_matrix():
         build_scorer("rkv").batch_scores(view)
     largest = max(math.prod(shape) for _, shapes in log.ops for shape in shapes)
     assert largest < 300 * 300 / 4, largest
+
+
+# --- on a GPU (skipped here: no CUDA device) ---------------------------------------------
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs, host syncs)"
+)
+
+
+@needs_cuda
+def test_ring_write_recorded_in_a_cuda_graph_replays_with_new_rows_and_positions():
+    """A decode graph captured with the capture's copy writes the replayed batch's
+    queries at the replayed rows and positions (static inputs updated in place)."""
+    ring = QueryRing(RingShape(1, 4, 4, Q_HEADS, HEAD_DIM, torch.float32), "cuda")
+    rows = torch.tensor([1, 0], device="cuda")  # entry 1: a padded entry (row 0)
+    positions = torch.tensor([5, 0], device="cuda")
+    queries = torch.zeros(2, Q_HEADS, HEAD_DIM, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # warm-up, as SGLang's graph runner does
+        ring.write_decode(0, queries, rows, positions)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ring.write_decode(0, queries, rows, positions)
+    for row, position, value in ((3, 9, 7.0), (2, 14, 11.0)):
+        rows.copy_(torch.tensor([row, 0]))
+        positions.copy_(torch.tensor([position, 0]))
+        queries.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        cell = position % 4
+        assert int(ring.positions[row, cell]) == position
+        assert torch.all(ring.queries[0][row, cell] == value)
+
+
+@needs_cuda
+@pytest.mark.parametrize("scorer", ["window", "rkv"])
+def test_capture_and_query_scorer_passes_never_synchronise_the_host_on_a_gpu(scorer):
+    """Decode steps on CUDA tensors under ``set_sync_debug_mode("error")``: the ring's
+    writes and every batched pass of a query-reading scorer (any host wait raises)."""
+    from sglang.srt.mem_cache.allocation import alloc_for_decode
+
+    from sglang_evict.config import EvictionConfig
+    from sglang_evict.srt.cpu_driver import MemoryDriver
+    from sglang_evict.srt.hooks import compact_decode_batch
+
+    config = EvictionConfig(
+        kv_budget_tokens=64, cadence_tokens=16, window_tokens=16, scorer=scorer, page_size=16
+    )
+    driver = MemoryDriver(
+        page_size=16,
+        num_tokens=4096,
+        num_layers=LAYERS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        config=config,
+        device="cuda",
+        num_q_heads=Q_HEADS,
+    )
+    manager = driver.evictor
+    reqs = []
+    for i, length in enumerate((40, 56, 70)):
+        req, _, _ = driver.admit(f"r{i}", list(range(i, i + length)))
+        manager.record_queries(
+            req.req_pool_idx,
+            torch.randn(LAYERS, length, Q_HEADS, HEAD_DIM, device="cuda"),
+            torch.arange(length, device="cuda"),
+        )
+        driver.prefill_done(req)
+        reqs.append(req)
+    results = []
+    for _ in range(40):
+        batch = driver.schedule_batch(reqs)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            results += compact_decode_batch(manager, batch)
+            positions = manager.decode_positions(batch.req_pool_indices, batch.seq_lens + 1)
+            for layer in range(LAYERS):
+                manager.query_ring.write_decode(
+                    layer,
+                    torch.randn(len(reqs), Q_HEADS, HEAD_DIM, device="cuda"),
+                    batch.req_pool_indices,
+                    positions,
+                )
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        alloc_for_decode(batch, token_per_req=1)
+        for req in reqs:
+            req.decode_batch_idx += 1
+            req.kv_committed_len += 1
+    assert results, "no pass ran"
+    for req in reqs:
+        manager.check_request(req.rid, req.kv_committed_len)
