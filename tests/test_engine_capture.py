@@ -19,7 +19,13 @@ import math
 import pytest
 import torch
 
-from tests.engine_harness import EngineSpec, greedy, policy_fields, reference_outputs
+from tests.engine_harness import (
+    EngineSpec,
+    greedy,
+    policy_fields,
+    reference_outputs,
+    shared_system_prompts,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -62,15 +68,8 @@ def tokenizer(engine_model):
 
 
 @pytest.fixture(scope="module")
-def prompts(tokenizer):
-    """Three prompts sharing a system prompt, token ids."""
-    system = "You are a helpful assistant. Answer the question step by step."
-    questions = (
-        "Question: what is the capital of France?",
-        "Question: how many pages does a request hold after a pass?",
-        "Tell me a story about a server with a small cache.",
-    )
-    return [tokenizer(f"{system} {q}")["input_ids"] for q in questions]
+def prompts(engine_model):
+    return shared_system_prompts(engine_model)
 
 
 def test_query_ring_costs_the_formula_and_the_kv_pool_shrinks_by_it(engines, engine_model, prompts):

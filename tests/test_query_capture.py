@@ -384,11 +384,10 @@ def test_ring_write_recorded_in_a_cuda_graph_replays_with_new_rows_and_positions
 def test_capture_and_query_scorer_passes_never_synchronise_the_host_on_a_gpu(scorer):
     """Decode steps on CUDA tensors under ``set_sync_debug_mode("error")``: the ring's
     writes and every batched pass of a query-reading scorer (any host wait raises)."""
-    from sglang.srt.mem_cache.allocation import alloc_for_decode
-
     from sglang_evict.config import EvictionConfig
     from sglang_evict.srt.cpu_driver import MemoryDriver
     from sglang_evict.srt.hooks import compact_decode_batch
+    from tests.sglang_harness import finish_decode_step
 
     config = EvictionConfig(
         kv_budget_tokens=64, cadence_tokens=16, window_tokens=16, scorer=scorer, page_size=16
@@ -430,10 +429,7 @@ def test_capture_and_query_scorer_passes_never_synchronise_the_host_on_a_gpu(sco
                 )
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        alloc_for_decode(batch, token_per_req=1)
-        for req in reqs:
-            req.decode_batch_idx += 1
-            req.kv_committed_len += 1
+        finish_decode_step(batch, reqs)
     assert results, "no pass ran"
     for req in reqs:
         manager.check_request(req.rid, req.kv_committed_len)
