@@ -156,9 +156,9 @@ def plan_capture(
 def _after_resolve_memory_pool_config(pool_config, configurator, *args, **kwargs):
     """Shrink the KV pool by the ring (``KVCacheConfigurator._resolve_memory_pool_config``,
     AFTER): the pool and the ring together take what the pool alone would have."""
-    STATE.plan = None
-    if configurator.is_draft_worker:
+    if configurator.is_draft_worker:  # shares the target's request pool and ring
         return pool_config
+    STATE.plan = None
     page_size = configurator.page_size
     config = capture_policy(configurator.server_args, page_size)
     if config is None:
