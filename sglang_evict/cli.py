@@ -68,6 +68,28 @@ def _add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | Non
         "--kv-scorer-stats", default=None, help="triattention: stats file from calibration"
     )
     parser.add_argument(
+        "--kv-scorer-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a scorer parameter (repeatable), e.g. mode=last for window; VALUE is read as "
+        "JSON when it parses, else as a string",
+    )
+    parser.add_argument(
+        "--kv-query-window",
+        type=int,
+        default=EvictionConfig.__dataclass_fields__["query_window_tokens"].default,
+        help="window/rkv: each request's latest queries captured inside the attention "
+        "(memory: see README, Scorers)",
+    )
+    parser.add_argument(
+        "--kv-evict-prompt",
+        action="store_true",
+        help="let passes evict the request's unshared prompt tokens (kept out of the radix "
+        "tree: later requests do not reuse them); window/rkv score them with the last "
+        "prompt queries at the first pass",
+    )
+    parser.add_argument(
         "--kv-compaction",
         default="hole_fill",
         choices=COMPACTION_STRATEGIES,
@@ -181,7 +203,9 @@ def _config_from_args(args: argparse.Namespace) -> EvictionConfig:
             f"--kv-scorer-stats is read by the triattention scorer only, not --kv-scorer "
             f"{args.kv_scorer}; drop it or pass --kv-scorer triattention"
         )
-    params = {"stats_path": args.kv_scorer_stats} if args.kv_scorer_stats else {}
+    params = _scorer_params(args.kv_scorer_param)
+    if args.kv_scorer_stats:
+        params["stats_path"] = args.kv_scorer_stats
     return EvictionConfig(
         kv_budget_tokens=args.kv_budget,
         cadence_tokens=args.kv_cadence,
@@ -192,9 +216,27 @@ def _config_from_args(args: argparse.Namespace) -> EvictionConfig:
         scorer_params=params,
         compaction=args.kv_compaction,
         page_size=args.page_size,
+        query_window_tokens=args.kv_query_window,
+        evict_prompt=args.kv_evict_prompt,
         **_compactor_fields(args),
         **_request_limit_fields(args),
     )
+
+
+def _scorer_params(pairs: list[str]) -> dict:
+    """``--kv-scorer-param KEY=VALUE`` flags as a dict (VALUE as JSON when it parses)."""
+    import json
+
+    params = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--kv-scorer-param {pair!r}: expected KEY=VALUE, e.g. mode=last")
+        try:
+            params[key] = json.loads(value)
+        except ValueError:
+            params[key] = value
+    return params
 
 
 def _simulate(args: argparse.Namespace) -> int:

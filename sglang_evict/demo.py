@@ -46,7 +46,13 @@ def run(args: argparse.Namespace) -> int:
     prompts = _prompts(tokenizer, args.requests, args.prompt_tokens)
     page_size = config.page_size
     pool_tokens = args.requests * (args.prompt_tokens + args.new_tokens + 2 * page_size) + 256
-    kwargs = cpu_engine_kwargs(model_path, page_size=page_size, max_total_tokens=pool_tokens)
+    # As many request slots as requests: the query ring of window/rkv holds one row each.
+    kwargs = cpu_engine_kwargs(
+        model_path,
+        page_size=page_size,
+        max_total_tokens=pool_tokens,
+        max_running_requests=args.requests,
+    )
     if not _cpu_only():
         kwargs.update(device="cuda", attention_backend=None, dtype="auto", model_impl="auto")
     # The server's own startup checks, before anything starts (one line on a refusal).

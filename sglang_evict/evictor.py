@@ -47,6 +47,16 @@ do): ``[request rows, context]`` x 4 bytes, 16 MiB for 256 rows of 16k tokens. R
 it on the host (``positions``, ``intact_prefix_len``) synchronises: tests, and the
 finish path, never the pass.
 
+Captured queries and carried scores
+-----------------------------------
+Query-reading scorers (``window``, ``rkv``) read the requests' last ``W`` queries from
+the ``query_ring`` (``sglang_evict.query_capture``), indexed by request-pool row: the
+server's attention writes it (``sglang_evict.srt.capture``), the CPU loop through
+``record_queries``. A scorer that adds scores across passes (``window`` mode
+``cumulative``) gets each entry's carried score from ``accumulated_by_row`` (float32,
+shaped like the positions table, valid for the first ``compacted_len`` entries); a
+pass stores every survivor's score there, moved with it.
+
 Invariants (tests call ``check_request`` after every operation): positions are
 distinct and below the next position; the appended tail is contiguous; and the
 protected ranges the host counts rely on (``batch_pass.counts``) are held in full.
@@ -85,9 +95,9 @@ from sglang_evict.pass_state import (
     DueRequest,
     KVPoolAccess,
     PassResult,
-    QueryRing,
     RequestState,
 )
+from sglang_evict.query_capture import QueryRing
 from sglang_evict.request_policy import RequestLimits, RequestPolicy, default_policy
 from sglang_evict.scorers import KVView, Scorer, build_scorer
 from sglang_evict.scorers.base import BatchKVView
@@ -100,7 +110,6 @@ __all__ = [
     "EvictionManager",
     "KVPoolAccess",
     "PassResult",
-    "QueryRing",
     "RequestState",
 ]
 
@@ -144,7 +153,8 @@ class EvictionManager:
     # sets it (the scorers a request may choose depend on the server).
     request_limits: RequestLimits | None = None
     states: dict[str, RequestState] = field(default_factory=dict)
-    query_rings: dict[str, QueryRing] = field(default_factory=dict)
+    # The requests' captured queries, by request-pool row (query-reading scorers).
+    query_ring: QueryRing | None = None
 
     def __post_init__(self) -> None:
         if self.config.page_size != self.pool.page_size:
@@ -170,6 +180,11 @@ class EvictionManager:
         self.bytes_per_slot = sum(
             b[0].numel() * b.element_size() for b in (*self.pool.k_buffers, *self.pool.v_buffers)
         )
+        self.accumulated_by_row = None
+        if self.scorer.carries_scores:
+            self.accumulated_by_row = torch.zeros(
+                self.num_request_rows, self.row_capacity, dtype=torch.float32, device=self.device
+            )
 
     # --- queries (host reads of device data: tests and the finish path only) --------
 
@@ -284,17 +299,20 @@ class EvictionManager:
         """Drop a request's state (finish, abort, or retraction: a retracted request is
         re-prefilled from its tokens, so its KV is regular again)."""
         state = self.states.pop(rid, None)
-        self.query_rings.pop(rid, None)
         if state is not None:
             self.offsets_by_row[state.req_pool_idx] = 0
 
-    def record_queries(self, rid: str, queries: Tensor, positions: Tensor) -> None:
-        """Keep a request's latest queries (``[layers, tokens, q_heads, head_dim]``, after
-        RoPE) for query-reading scorers; written from the attention forward."""
-        ring = self.query_rings.get(rid)
-        if ring is None:
-            ring = self.query_rings[rid] = QueryRing(self.config.query_window_tokens)
-        ring.append(queries, positions)
+    def record_queries(self, req_pool_idx: int, queries: Tensor, positions: Tensor) -> None:
+        """Keep a request's newest queries (``[layers, tokens, q_heads, head_dim]``, after
+        RoPE, at logical ``positions [tokens]``) in the query ring's row
+        ``req_pool_idx``: the CPU loop's forward (a server's attention writes the ring
+        itself, ``sglang_evict.srt.capture``)."""
+        if self.query_ring is None:
+            raise ValueError(
+                "this manager has no query ring: give the driver the model's query heads "
+                "(MemoryDriver num_q_heads) or run a scorer that reads no queries"
+            )
+        self.query_ring.record(req_pool_idx, queries, positions)
 
     def decode_positions(self, req_pool_indices: Tensor, seq_lens: Tensor) -> Tensor:
         """Logical positions of the tokens a decode batch generates: SGLang derives
@@ -331,6 +349,14 @@ class EvictionManager:
                 raise ValueError(f"kv_len {d.kv_len} exceeds the row capacity {self.row_capacity}")
         if not work:
             return []
+        readers = sorted(
+            {d.policy.scorer for d, _ in work if self.scorer_for(d.policy.scorer).needs_queries}
+        )
+        if readers and self.query_ring is None:
+            raise ValueError(
+                f"scorer {readers[0]!r} needs the requests' captured queries, but no "
+                f"query ring is attached; query capture must run in the attention"
+            )
         with tracing.tracer().start_as_current_span(tracing.SPAN_PASS) as span:
             span.set_attribute(tracing.ATTR_REQUESTS, len(work))
             span.set_attribute(tracing.ATTR_TOKENS_BEFORE, sum(c.kv_len for _, c in work))
@@ -397,6 +423,7 @@ class EvictionManager:
             self.config.compaction, counts, self.pool.available_pages
         )
         use = self.use_pool_kernels
+        scorers = [self.scorer_for(d.policy.scorer) for d, _ in work]
         inputs = batch_inputs(
             pool=self.pool,
             positions_by_row=self.positions_by_row,
@@ -405,9 +432,10 @@ class EvictionManager:
             counts=counts,
             staging_counts=staging_counts,
             use_pool_kernels=self.device.type == "cuda" if use is None else use,
+            query_ring=self.query_ring if any(s.needs_queries for s in scorers) else None,
+            accumulated_by_row=self.accumulated_by_row,
         )
         columns, rows_raw, view = inputs.columns, inputs.rows_raw, inputs.view
-        scorers = [self.scorer_for(d.policy.scorer) for d, _ in work]
         with tracer.start_as_current_span(tracing.SPAN_SCORE):
             scores = score_rows(scorers, view, self._request_view(work, scorers, view))
             if self.score_reducer is not None:
@@ -453,7 +481,7 @@ class EvictionManager:
                 self.pool.release_pages(claimed)
             raise
         with tracer.start_as_current_span(tracing.SPAN_COMMIT):
-            self._commit(work, columns, rows_raw, plan)
+            self._commit(work, columns, rows_raw, plan, scores)
         duration_s = time.perf_counter() - start
         return [
             PassResult(
@@ -477,25 +505,19 @@ class EvictionManager:
         """One request's ``KVView`` in logical order (scorers without a batched form)."""
 
         def request_view(r: int, order: Tensor) -> KVView:
-            rid = work[r][0].rid
-            queries = query_positions = None
-            if scorers[r].needs_queries:
-                ring = self.query_rings.get(rid)
-                if ring is None or ring.count == 0:
-                    raise ValueError(
-                        f"scorer {scorers[r].name!r} needs the request's captured queries, "
-                        f"but none were recorded for {rid}; query capture must run in the "
-                        f"attention"
-                    )
-                queries, query_positions = ring.ordered()
-                queries = queries.to(self.device)
+            queries = query_positions = accumulated = None
+            if view.queries is not None:
+                queries, query_positions = view.queries.request_queries(r)
             length = view.lengths[r]
+            if view.accumulated_scores is not None:
+                accumulated = view.accumulated_scores[r, :length][order]
             return KVView(
                 keys=view.gather_keys(view.slots[r, :length][order]),
                 positions=view.positions[r, :length][order],
                 current_position=view.current_positions_host[r],
                 queries=queries,
                 query_positions=query_positions,
+                accumulated_scores=accumulated,
             )
 
         return request_view
@@ -562,19 +584,21 @@ class EvictionManager:
             self._leases_down_until_s = time.monotonic() + self.lease_retry_interval_s
             raise
 
-    def _commit(self, work, columns, rows_raw: Tensor, plan: BatchPlan) -> None:
-        """Rows, positions, offsets and allocator frees (device, no host wait), then
-        each request's host state. Nothing here can refuse: it matches what moved."""
+    def _commit(self, work, columns, rows_raw: Tensor, plan: BatchPlan, scores: Tensor) -> None:
+        """Rows, positions, carried scores, offsets and allocator frees (device, no host
+        wait), then each request's host state. Nothing here can refuse: it matches what
+        moved."""
         width = plan.new_row.shape[1]
         live = torch.arange(width, device=self.device).unsqueeze(0) < columns[
             "survivors"
         ].unsqueeze(1)
         rows = columns["row"]
         self.pool.write_rows(rows, torch.where(live, plan.new_row, rows_raw[:, :width]))
-        self.positions_by_row.index_put_(
-            (rows.unsqueeze(1), torch.arange(width, device=self.device).unsqueeze(0)),
-            plan.new_positions.to(torch.int32),
-        )
+        table_index = (rows.unsqueeze(1), torch.arange(width, device=self.device).unsqueeze(0))
+        self.positions_by_row.index_put_(table_index, plan.new_positions.to(torch.int32))
+        if self.accumulated_by_row is not None:  # each survivor's score moves with it
+            content = plan.content.clamp(max=scores.shape[1] - 1)
+            self.accumulated_by_row.index_put_(table_index, scores.gather(1, content))
         self.offsets_by_row.index_put_((rows,), columns["offset_after"])
         self.pool.release_pages(plan.release)
         for d, c in work:

@@ -1,6 +1,6 @@
 """The mechanism's data types: what it needs from the engine's pools
 (``KVPoolAccess``), the requests a pass covers (``DueRequest``), what it keeps per
-request (``RequestState``, ``QueryRing``) and what a pass reports (``PassResult``).
+request (``RequestState``) and what a pass reports (``PassResult``).
 ``sglang_evict.evictor`` explains the state they describe."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
 from torch import Tensor
 
 from sglang_evict.request_policy import RequestPolicy
@@ -60,36 +59,6 @@ class RequestState:
     tokens_evicted: int = 0
     policy: RequestPolicy | None = None  # None: the server's
     peak_kv_tokens: int = 0  # the most KV it held when a pass ran
-
-
-class QueryRing:
-    """The latest ``capacity`` queries of one request, every layer (post-RoPE), with
-    their logical positions: what query-reading scorers see (CPU loop)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.queries: Tensor | None = None  # [layers, capacity, q_heads, head_dim]
-        self.positions = torch.zeros(capacity, dtype=torch.int64)
-        self.count = 0
-
-    def append(self, queries: Tensor, positions: Tensor) -> None:
-        """Add ``queries`` ``[layers, tokens, q_heads, head_dim]`` at ``positions``."""
-        if self.queries is None:
-            layers, _, heads, dim = queries.shape
-            self.queries = torch.zeros(layers, self.capacity, heads, dim, dtype=queries.dtype)
-        for t in range(max(0, queries.shape[1] - self.capacity), queries.shape[1]):
-            at = self.count % self.capacity
-            self.queries[:, at] = queries[:, t].to(self.queries.dtype)
-            self.positions[at] = int(positions[t])
-            self.count += 1
-
-    def ordered(self) -> tuple[Tensor, Tensor]:
-        """(queries ``[layers, n, q_heads, head_dim]``, positions ``[n]``), oldest first."""
-        if self.queries is None:
-            raise ValueError("no queries captured")
-        n = min(self.count, self.capacity)
-        order = (torch.arange(n) + (self.count - n)) % self.capacity
-        return self.queries[:, order], self.positions[order]
 
 
 @dataclass(frozen=True)

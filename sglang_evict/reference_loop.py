@@ -57,12 +57,12 @@ def generate(
     manager = driver.evictor
     capture = manager is not None and manager.scorer.needs_queries
 
-    def forward(rid, tokens, positions, *rest, **kwargs):
+    def forward(req, tokens, positions, *rest, **kwargs):
         """The model forward; feeds the plugin's query capture when the scorer reads queries."""
         captured: list[Tensor] | None = [] if capture else None
         logits = model.forward(tokens, positions, *rest, capture_queries=captured, **kwargs)
         if captured:
-            manager.record_queries(rid, torch.stack(captured), positions)
+            manager.record_queries(req.req_pool_idx, torch.stack(captured), positions)
         return logits
 
     pending = sorted(requests, key=lambda r: r.arrival_step)
@@ -76,7 +76,7 @@ def generate(
             )
             length = len(spec.prompt)
             logits = forward(
-                spec.rid,
+                req,
                 torch.tensor(spec.prompt[prefix_len:]),
                 torch.arange(prefix_len, length),
                 slots,
@@ -103,7 +103,7 @@ def generate(
                 allowed = torch.isin(context_positions, attend_masks[req.rid][decoded])
             result.attended[req.rid].append(context_positions.clone())
             logits = forward(
-                req.rid,
+                req,
                 torch.tensor([req.output_ids[-1]]),
                 positions[i : i + 1],
                 slots[i : i + 1],

@@ -235,6 +235,22 @@ def masked_replay(model, prompts, new_tokens, *, page_size, attended):
     return [result.outputs[f"r{i}"] for i in range(len(prompts))]
 
 
+SYSTEM_PROMPT = "You are a helpful assistant. Answer the question step by step."
+QUESTIONS = (
+    "Question: what is the capital of France?",
+    "Question: how many pages does a request hold after a pass?",
+    "Tell me a story about a server with a small cache.",
+)
+
+
+def shared_system_prompts(engine_model) -> list[list[int]]:
+    """Three prompts sharing a system prompt (the radix cache's case), token ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(engine_model))
+    return [tokenizer(f"{SYSTEM_PROMPT} {q}")["input_ids"] for q in QUESTIONS]
+
+
 def greedy(new_tokens: int, **extra) -> dict:
     return {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True, **extra}
 

@@ -41,6 +41,18 @@ def kv_rows(token_id: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
+def finish_decode_step(batch, reqs: list) -> None:
+    """What ``prepare_for_decode`` does after the plugin's pass: allocate the decode
+    slots, then advance the counters (``MemoryDriver.prepare_decode`` in pieces, for
+    tests that watch the pass alone)."""
+    from sglang.srt.mem_cache.allocation import alloc_for_decode
+
+    alloc_for_decode(batch, token_per_req=1)
+    for req in reqs:
+        req.decode_batch_idx += 1
+        req.kv_committed_len += 1
+
+
 def sglang_checker(driver: MemoryDriver) -> SchedulerInvariantChecker:
     """SGLang's own scheduler invariant checker over a driver's real components; its
     'last batch' is a ScheduleBatch of the running requests (after a decode step the

@@ -22,7 +22,7 @@ from sglang_evict.srt.hooks import (
     _before_prepare_for_decode,
     compact_decode_batch,
 )
-from tests.sglang_harness import Engine
+from tests.sglang_harness import Engine, finish_decode_step
 
 
 def policy(page_size: int = 16, **overrides) -> EvictionConfig:
@@ -171,12 +171,7 @@ def test_the_pass_never_synchronises_the_host_on_a_gpu(compaction, scorer):
             finally:
                 if device == "cuda":
                     torch.cuda.set_sync_debug_mode("default")
-            from sglang.srt.mem_cache.allocation import alloc_for_decode
-
-            alloc_for_decode(batch, token_per_req=1)
-            for req in reqs:
-                req.decode_batch_idx += 1
-                req.kv_committed_len += 1
+            finish_decode_step(batch, reqs)
         assert results, "no pass ran"
         for req in reqs:
             manager.check_request(req.rid, req.kv_committed_len)

@@ -15,6 +15,7 @@ from tests.engine_harness import (
     masked_replay,
     policy_fields,
     reference_outputs,
+    shared_system_prompts,
 )
 
 pytestmark = pytest.mark.engine
@@ -24,17 +25,7 @@ NEW_TOKENS = 4 * BUDGET + 8  # several passes per request
 
 @pytest.fixture(scope="module")
 def prompts(engine_model):
-    """Three prompts sharing a system prompt (the radix cache's case), token ids."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(engine_model))
-    system = "You are a helpful assistant. Answer the question step by step."
-    questions = (
-        "Question: what is the capital of France?",
-        "Question: how many pages does a request hold after a pass?",
-        "Tell me a story about a server with a small cache.",
-    )
-    return [tokenizer(f"{system} {q}")["input_ids"] for q in questions]
+    return shared_system_prompts(engine_model)
 
 
 @pytest.fixture(scope="module")

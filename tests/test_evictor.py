@@ -1,4 +1,5 @@
-"""Mechanism state kept by the evictor: the query ring and its life cycle."""
+"""Mechanism state kept by the evictor: what a query-reading scorer needs, and the
+per-request state's life cycle (the query ring itself: ``test_query_capture``)."""
 
 from __future__ import annotations
 
@@ -6,42 +7,30 @@ import pytest
 import torch
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.evictor import DueRequest, QueryRing
+from sglang_evict.evictor import DueRequest
 from tests.sglang_harness import Engine
 
 
-def test_query_ring_keeps_the_latest_queries_oldest_first():
-    ring = QueryRing(capacity=4)
-    for start in (0, 3):  # 3 tokens, then 3 more: wraps around
-        queries = torch.arange(start, start + 3, dtype=torch.float32).view(1, 3, 1, 1)
-        ring.append(queries, torch.arange(start, start + 3) + 100)
-    kept, positions = ring.ordered()
-    assert kept.flatten().tolist() == [2.0, 3.0, 4.0, 5.0]
-    assert positions.tolist() == [102, 103, 104, 105]
-    ring.append(torch.arange(10.0).view(1, 10, 1, 1), torch.arange(10))  # longer than capacity
-    assert ring.ordered()[1].tolist() == [6, 7, 8, 9]
-
-
-def test_query_reading_scorer_without_captured_queries_fails_clearly_and_changes_nothing():
+def test_query_reading_scorer_without_a_query_ring_fails_clearly_and_changes_nothing():
     config = EvictionConfig(
         kv_budget_tokens=48, cadence_tokens=16, window_tokens=16, scorer="window", page_size=16
     )
     engine = Engine(page_size=16, config=config)
     req = engine.add_request("a", list(range(8)))
-    manager = engine.cache.evictor  # no attention ran, so no query was ever recorded
+    manager = engine.cache.evictor  # a driver without the model's query heads: no ring
     for step in range(60):  # every due pass fails before anything moves; decoding goes on
         engine.decode_step(req, step)
         engine.check()
     assert not engine.pass_log and req.kv_committed_len == 68
     free_before = engine.free_token_count()
     due = DueRequest("a", req.req_pool_idx, 68, num_shared=req.cache_protected_len, prompt_len=8)
-    with pytest.raises(ValueError, match="needs the request's captured queries"):
+    with pytest.raises(ValueError, match="needs the requests' captured queries, but no query ring"):
         manager.run_batch_pass([due])
     assert engine.free_token_count() == free_before and "a" not in manager.states
     engine.check()
 
 
-def test_forget_drops_state_queries_and_position_offset():
+def test_forget_drops_state_and_position_offset():
     config = EvictionConfig(
         kv_budget_tokens=48, cadence_tokens=16, window_tokens=16, scorer="streaming", page_size=1
     )
@@ -50,11 +39,10 @@ def test_forget_drops_state_queries_and_position_offset():
     for step in range(40):
         engine.decode_step(req, step)
     manager = engine.cache.evictor
-    manager.record_queries("a", torch.zeros(2, 1, 2, 8), torch.tensor([79]))
     assert manager.position_offset("a") > 0 and manager.offsets_by_row[req.req_pool_idx] > 0
     row = req.req_pool_idx
     engine.finish(req)  # finishing goes through the cache, which forgets the request
-    assert "a" not in manager.states and "a" not in manager.query_rings
+    assert "a" not in manager.states
     assert manager.offsets_by_row[row] == 0
 
 

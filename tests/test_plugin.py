@@ -158,13 +158,15 @@ def test_backend_factory_refuses_hybrid_models_and_bad_flags(monkeypatch):
 
 
 @pytest.mark.parametrize("scorer", ["window", "rkv"])
-def test_backend_refuses_query_reading_scorers_until_the_server_captures_queries(
-    monkeypatch, scorer
-):
+def test_backend_serves_query_reading_scorers_but_not_under_torch_compile(monkeypatch, scorer):
     engine = Engine(page_size=16)
     monkeypatch.setenv(CONFIG_ENV, json.dumps({"kv_budget_tokens": 256, "scorer": scorer}))
+    monkeypatch.setattr(_Active, "manager", None)
     server_args = ServerArgs(model_path="dummy", device="cpu")
-    with pytest.raises(ValueError, match=f"--kv-scorer {scorer} reads queries captured"):
+    cache = radix_cache_factory(build_context(engine, server_args))
+    assert cache.evictor.scorer.name == scorer
+    server_args = ServerArgs(model_path="dummy", device="cpu", enable_torch_compile=True)
+    with pytest.raises(ValueError, match=f"--enable-torch-compile with --kv-scorer {scorer}"):
         radix_cache_factory(build_context(engine, server_args))
 
 
@@ -310,7 +312,9 @@ def test_decode_hook_replaces_batch_lengths_keeping_their_dtypes():
 
     from sglang_evict.srt.hooks import compact_decode_batch
 
-    config = EvictionConfig(kv_budget_tokens=64, cadence_tokens=16, window_tokens=16, page_size=16)
+    config = EvictionConfig(
+        kv_budget_tokens=64, cadence_tokens=16, window_tokens=16, scorer="knorm", page_size=16
+    )
     engine = Engine(page_size=16, config=config)
     reqs = [engine.add_request("a", list(range(40))), engine.add_request("b", [1, 2, 3])]
     for step in range(40):

@@ -1,9 +1,10 @@
 """Tensor parallelism: ranks hold different KV heads but must keep identical survivors.
 
 Two real processes joined in a gloo group (SGLang's cache group is a gloo CPU group),
-each with its own SGLang memory classes holding half of the KV heads, run the same
-request through the plugin with the cross-rank score reduction; a single process
-holding all heads is the reference.
+each with its own SGLang memory classes holding half of the KV heads (and, for the
+query-reading scorers, a query ring holding the query heads of those KV heads, as each
+rank's attention captures its own), run the same request through the plugin with the
+cross-rank score reduction; a single process holding all heads is the reference.
 """
 
 from __future__ import annotations
@@ -11,21 +12,28 @@ from __future__ import annotations
 import multiprocessing
 import os
 
+import pytest
 import torch
 
-NUM_LAYERS, HEAD_DIM, GLOBAL_KV_HEADS, PAGE_SIZE = 2, 8, 4, 16
+NUM_LAYERS, HEAD_DIM, GLOBAL_KV_HEADS, GROUP, PAGE_SIZE = 2, 8, 4, 2, 16
 PROMPT = list(range(3, 11))  # short: most survivors are chosen by score
 NEW_TOKENS = 150
+SCORERS = ["knorm", "window", "rkv"]
 
 
-def global_keys(token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+def global_kvq(token: int, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values ``[layers, kv_heads, D]`` and queries ``[layers, kv_heads * GROUP, D]``
+    of a token at a position, every head (query head h reads KV head h // GROUP)."""
     generator = torch.Generator().manual_seed(token * 7919 + position)
     shape = (NUM_LAYERS, GLOBAL_KV_HEADS, HEAD_DIM)
-    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    k, v = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    q = torch.randn(NUM_LAYERS, GLOBAL_KV_HEADS * GROUP, HEAD_DIM, generator=generator)
+    return k, v, q
 
 
-def run_request(heads: slice, reducer=None) -> list[list[int]]:
-    """Decode one request; return the logical positions kept after each pass."""
+def run_request(heads: slice, scorer: str, reducer=None) -> list[list[int]]:
+    """Decode one request holding KV heads ``heads`` (and their query heads); return the
+    logical positions kept after each pass."""
     from sglang_evict.config import EvictionConfig
     from sglang_evict.srt.cpu_driver import MemoryDriver
 
@@ -33,24 +41,32 @@ def run_request(heads: slice, reducer=None) -> list[list[int]]:
         kv_budget_tokens=48,
         cadence_tokens=16,
         window_tokens=16,
-        scorer="knorm",
+        scorer=scorer,
         page_size=PAGE_SIZE,
+        query_window_tokens=8,
     )
+    num_kv_heads = heads.stop - heads.start
     driver = MemoryDriver(
         page_size=PAGE_SIZE,
         num_tokens=2048,
         num_layers=NUM_LAYERS,
-        num_kv_heads=heads.stop - heads.start,
+        num_kv_heads=num_kv_heads,
         head_dim=HEAD_DIM,
         config=config,
+        num_q_heads=num_kv_heads * GROUP,
     )
-    driver.evictor.score_reducer = reducer
+    manager = driver.evictor
+    manager.score_reducer = reducer
+    q_heads = slice(heads.start * GROUP, heads.stop * GROUP)
 
     def write(slot: int, token: int, position: int) -> None:
-        k, v = global_keys(token, position)
+        k, v, q = global_kvq(token, position)
         for layer in range(NUM_LAYERS):
             driver.kv_pool.k_buffer[layer][slot] = k[layer, heads]
             driver.kv_pool.v_buffer[layer][slot] = v[layer, heads]
+        if manager.query_ring is not None:  # what this rank's attention captures
+            queries = q[:, q_heads].unsqueeze(1)
+            manager.record_queries(req.req_pool_idx, queries, torch.tensor([position]))
 
     req, prefix_len, slots = driver.admit("a", PROMPT)
     for position, slot in zip(range(prefix_len, len(PROMPT)), slots.tolist(), strict=True):
@@ -78,27 +94,38 @@ def rank_main(rank: int, world_size: int, init_file: str, results) -> None:
 
     share = GLOBAL_KV_HEADS // world_size
     heads = slice(rank * share, (rank + 1) * share)
-    results.put((rank, run_request(heads, tp_score_reducer(dist.group.WORLD, "mean"))))
+    reducer = tp_score_reducer(dist.group.WORLD, "mean")
+    results.put((rank, {scorer: run_request(heads, scorer, reducer) for scorer in SCORERS}))
     dist.destroy_process_group()
 
 
-def test_tensor_parallel_ranks_keep_the_survivors_of_a_single_rank_with_all_heads(tmp_path):
+@pytest.fixture(scope="module")
+def kept_by_rank(tmp_path_factory) -> dict[int, dict[str, list]]:
+    """Two ranks in one gloo group, each running the request once per scorer (one pair
+    of processes for every scorer: starting them is what costs)."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     world_size = 2
-    init_file = str(tmp_path / "gloo-init")
+    init_file = str(tmp_path_factory.mktemp("gloo") / "gloo-init")
     workers = [
         context.Process(target=rank_main, args=(rank, world_size, init_file, results))
         for rank in range(world_size)
     ]
     for worker in workers:
         worker.start()
-    kept_by_rank = dict(results.get(timeout=600) for _ in workers)
+    kept = dict(results.get(timeout=900) for _ in workers)
     for worker in workers:
         worker.join(timeout=60)
         assert worker.exitcode == 0
-    reference = run_request(slice(0, GLOBAL_KV_HEADS))
+    return kept
+
+
+@pytest.mark.parametrize("scorer", SCORERS)
+def test_tensor_parallel_ranks_keep_the_survivors_of_a_single_rank_with_all_heads(
+    kept_by_rank, scorer
+):
+    reference = run_request(slice(0, GLOBAL_KV_HEADS), scorer)
     assert len(reference) >= 3
-    assert kept_by_rank[0] == kept_by_rank[1] == reference
+    assert kept_by_rank[0][scorer] == kept_by_rank[1][scorer] == reference
     # Without the reduction, each rank alone would disagree with the reference.
-    assert run_request(slice(0, 2)) != reference
+    assert run_request(slice(0, 2), scorer) != reference

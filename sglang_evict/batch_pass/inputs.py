@@ -53,9 +53,14 @@ def batch_inputs(
     counts: list[PassCounts],
     staging_counts: list[int],
     use_pool_kernels: bool,
+    query_ring=None,
+    accumulated_by_row: Tensor | None = None,
 ) -> BatchInputs:
     """Pack the host ints, gather rows and positions (``sglang_evict.evictor`` module
-    docstring: positions past ``compacted_len`` are ``index + offset``)."""
+    docstring: positions past ``compacted_len`` are ``index + offset``); with a
+    ``query_ring`` (``sglang_evict.query_capture.QueryRing``) the requests' captured
+    queries, with ``accumulated_by_row`` (float32, shaped like the positions table) the
+    scores carried over from earlier passes (entries appended since: 0)."""
     device = positions_by_row.device
     staging_base = [sum(staging_counts[:i]) for i in range(len(staging_counts))]
     values = [
@@ -93,15 +98,25 @@ def batch_inputs(
         table,
         index + columns["offset"].unsqueeze(1),
     )
+    current_positions = columns["kv_len"] + columns["offset"]
+    accumulated = None
+    if accumulated_by_row is not None:
+        carried = accumulated_by_row[:, :width].index_select(0, columns["row"])
+        accumulated = torch.where(index < columns["compacted_len"].unsqueeze(1), carried, 0.0)
     view = BatchKVView(
         k_buffers=pool.k_buffers,
         slots=torch.where(valid, rows_raw, 0),
         positions=positions,
         valid=valid,
-        current_positions=columns["kv_len"] + columns["offset"],
+        current_positions=current_positions,
         lengths=tuple(c.kv_len for c in counts),
         current_positions_host=tuple(c.next_position for c in counts),
         gather_keys=pool.gather_keys,
         use_pool_kernels=use_pool_kernels,
+        gather_layer_keys=getattr(pool, "gather_layer_keys", None),
+        queries=None
+        if query_ring is None
+        else query_ring.window_of(columns["row"], current_positions),
+        accumulated_scores=accumulated,
     )
     return BatchInputs(columns=columns, rows_raw=rows_raw, view=view)

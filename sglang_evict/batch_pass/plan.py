@@ -129,6 +129,8 @@ class BatchPlan:
         new_row: int64 ``[R, K]``, the request-to-token rows after commit (columns past
             the survivors: 0).
         new_positions: int64 ``[R, K]``, logical position of each new-row entry.
+        content: int64 ``[R, K]``, the old row index (column of the pass's inputs) each
+            new-row entry holds (padding: 0), to carry per-entry data along.
         src, dst: int64 ``[R, K]``, one move per new-row entry; ``src == dst``: none.
         page_ids: int64 ``[R, NP]``, the physical page of each old row page.
         freed: bool ``[R, NP]``, old row pages the request gives up.
@@ -141,6 +143,7 @@ class BatchPlan:
     page_size: int
     new_row: Tensor
     new_positions: Tensor
+    content: Tensor
     src: Tensor
     dst: Tensor
     page_ids: Tensor
@@ -250,6 +253,7 @@ class _Grid:
             page_size=self.P,
             new_row=new_row,
             new_positions=torch.where(self.live, self.positions.gather(1, content), 0),
+            content=torch.where(self.live, content, 0),
             src=src,
             dst=new_row,
             page_ids=self.page_ids,

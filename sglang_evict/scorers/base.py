@@ -104,6 +104,36 @@ class KVView:
 
 
 @dataclass(frozen=True)
+class QueryWindow:
+    """The captured queries of every request of a batched pass (``sglang_evict.
+    query_capture``): ``W`` cells per request, in ring order (not time order).
+
+    Attributes:
+        num_layers: layers of the model.
+        queries_of_layer: ``layer -> [R, W, q_heads, head_dim]`` queries (after RoPE).
+        positions: int64 ``[R, W]``, the logical position of each cell's query.
+        valid: bool ``[R, W]``: the cell holds one of the request's last ``W`` queries
+            (its own: a row's earlier request's and empty cells are False).
+    """
+
+    num_layers: int
+    queries_of_layer: Callable[[int], Tensor]
+    positions: Tensor
+    valid: Tensor
+
+    def request_queries(self, r: int) -> tuple[Tensor, Tensor]:
+        """``(queries [layers, n, q_heads, head_dim], positions [n])`` of request ``r``,
+        oldest first: the per-request ``KVView`` form. Reads ``valid`` on the host (a
+        synchronisation): only for scorers without a batched form."""
+        cells = torch.nonzero(self.valid[r], as_tuple=True)[0]
+        cells = cells[torch.argsort(self.positions[r, cells])]
+        queries = torch.stack(
+            [self.queries_of_layer(layer)[r, cells] for layer in range(self.num_layers)]
+        )
+        return queries, self.positions[r, cells]
+
+
+@dataclass(frozen=True)
 class BatchKVView:
     """What a scorer may read about the due requests of one batched pass, all at once.
 
@@ -124,6 +154,13 @@ class BatchKVView:
         lengths, current_positions_host: the same as host ints.
         gather_keys: ``slots [T] -> float [layers, T, kv_heads, head_dim]``.
         use_pool_kernels: score with a pool-reading kernel where the scorer has one.
+        gather_layer_keys: ``(layer, slots [T]) -> float [T, kv_heads, head_dim]``, one
+            layer's keys (scorers that work a layer at a time); None: from
+            ``gather_keys``.
+        queries: the requests' captured queries (``window``, ``rkv``); None: this
+            manager has no query ring.
+        accumulated_scores: float32 ``[R, N]`` scores carried over from earlier passes
+            (``Scorer.carries_scores``; entries appended since: 0), or None.
     """
 
     k_buffers: list[Tensor]
@@ -135,6 +172,19 @@ class BatchKVView:
     current_positions_host: tuple[int, ...]
     gather_keys: Callable[[Tensor], Tensor]
     use_pool_kernels: bool = False
+    gather_layer_keys: Callable[[int, Tensor], Tensor] | None = None
+    queries: QueryWindow | None = None
+    accumulated_scores: Tensor | None = None
+
+    def layer_keys(self, layer: int) -> Tensor:
+        """float ``[R, N, kv_heads, head_dim]``: one layer's keys of every entry
+        (padding entries read slot 0)."""
+        flat = self.slots.reshape(-1)
+        if self.gather_layer_keys is not None:
+            keys = self.gather_layer_keys(layer, flat)
+        else:
+            keys = self.gather_keys(flat)[layer]
+        return keys.float().view(*self.slots.shape, *keys.shape[1:])
 
 
 def aggregate_segments(
@@ -150,11 +200,7 @@ def aggregate_segments(
         )
     scores = per_head.to(torch.float32)
     if normalization == "zscore":
-        mask = valid.to(torch.float32)
-        count = mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
-        mean = (scores * mask).sum(dim=-1, keepdim=True) / count
-        std = (((scores - mean) * mask).square().sum(dim=-1, keepdim=True) / count).sqrt()
-        scores = (scores - mean) / (std + _ZSCORE_EPS)
+        scores = zscore_segments(scores, valid)
     elif normalization != "none":
         raise ValueError(
             f"unknown head_normalization {normalization!r}; known: {HEAD_NORMALIZATIONS}"
@@ -165,6 +211,17 @@ def aggregate_segments(
     if reduction == "max":
         return flat.max(dim=0).values
     raise ValueError(f"unknown head_reduction {reduction!r}; known: {HEAD_REDUCTIONS}")
+
+
+def zscore_segments(scores: Tensor, valid: Tensor) -> Tensor:
+    """``(x - mean) / (std + eps)`` over the last axis, per request: ``scores`` float
+    ``[..., R, N]``, mean and (population) std over each request's ``valid`` entries
+    only; padding entries come out as anything finite."""
+    mask = valid.to(scores.dtype)
+    count = mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    mean = (scores * mask).sum(dim=-1, keepdim=True) / count
+    std = (((scores - mean) * mask).square().sum(dim=-1, keepdim=True) / count).sqrt()
+    return (scores - mean) / (std + _ZSCORE_EPS)
 
 
 def aggregate_head_scores(per_head: Tensor, normalization: str, reduction: str) -> Tensor:
@@ -212,6 +269,12 @@ class Scorer:
             raise ValueError(
                 f"unknown head_reduction {self.head_reduction!r}; known: {list(HEAD_REDUCTIONS)}"
             )
+
+    @property
+    def carries_scores(self) -> bool:
+        """Whether this scorer adds scores carried over from earlier passes
+        (``accumulated_scores``): the mechanism then keeps each survivor's score."""
+        return False
 
     def head_scores(self, view: KVView) -> Tensor:
         """``[layers, heads, tokens]`` scores, higher = keep."""

@@ -11,6 +11,9 @@ integration surface:
     pools           KV pool access, the allocator's free set  ReqToTokenPool, allocators,
                     sharing buffers with the compactor        MHATokenToKVPool
     manager         EvictionManager over a cache's pools      CacheInitParams
+    capture         queries copied into the query ring        AttentionBackend.forward,
+                    inside the attention; the ring's KV-pool  KVCacheConfigurator,
+                    reservation                               ModelRunner
     backend         EvictingRadixCache + registered factory   RadixCache, TreeNode
     hooks           decode-step passes, decode positions      ScheduleBatch, ForwardBatch
     server_args     policy from the environment; refusals     ServerArgs
@@ -22,7 +25,7 @@ integration surface:
     cpu_driver      memory classes driven on CPU (tests,      Req, ScheduleBatch,
                     demo, quality harness)                    alloc_for_decode, release
 
-A new surface (admission, query capture, ...) gets its own module here.
+A new surface gets its own module here.
 """
 
 from __future__ import annotations
@@ -76,6 +79,14 @@ def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_evict.srt.backend import radix_cache_factory
+    from sglang_evict.srt.capture import (
+        HOOK_ALLOC_POOL,
+        HOOK_ATTENTION_FORWARD,
+        HOOK_RESOLVE_POOL,
+        _after_alloc_memory_pool,
+        _after_resolve_memory_pool_config,
+        _before_attention_forward,
+    )
     from sglang_evict.srt.hooks import (
         HOOK_FORWARD_BATCH_INIT,
         HOOK_PREPARE_FOR_DECODE,
@@ -105,3 +116,6 @@ def install() -> None:
     HookRegistry.register(HOOK_ON_IDLE, _after_on_idle, HookType.AFTER)
     HookRegistry.register(HOOK_VALIDATE_REQUEST, _after_validate_one_request, HookType.AFTER)
     HookRegistry.register(HOOK_ADD_REQUEST_TO_QUEUE, _before_add_request_to_queue, HookType.BEFORE)
+    HookRegistry.register(HOOK_RESOLVE_POOL, _after_resolve_memory_pool_config, HookType.AFTER)
+    HookRegistry.register(HOOK_ALLOC_POOL, _after_alloc_memory_pool, HookType.AFTER)
+    HookRegistry.register(HOOK_ATTENTION_FORWARD, _before_attention_forward, HookType.BEFORE)

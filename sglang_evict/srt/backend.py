@@ -12,6 +12,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from torch import Tensor
 
 from sglang_evict.config import EvictionConfig
+from sglang_evict.srt import capture
 from sglang_evict.srt.introspection import PassTotals, log_passes_enabled, log_request
 from sglang_evict.srt.manager import forward_stream_of, make_manager
 from sglang_evict.srt.pools import free_slots
@@ -119,6 +120,14 @@ class EvictingRadixCache(RadixCache):
         if req.rid in self.evictor.states:
             # An evicted request's row no longer matches its tokens: insert nothing more.
             return
+        if self.evictor.config.evict_prompt and not self.disable:
+            # The unshared prompt stays the request's own (as SGLang keeps a partial
+            # page): not offered to other requests, so passes may evict it. The KV
+            # SGLang counts as the request's is what lies past cache_protected_len.
+            fill_len = len(req.get_fill_ids())
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :fill_len]
+            req.prefix_indices = row.to(dtype=torch.int64, copy=True)
+            return
         return super().cache_unfinished_req(req, chunked=chunked)
 
     def check_invariants(self) -> None:
@@ -163,6 +172,7 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
     cache.evictor.request_limits = request_limits(config, ctx.tp_size)
     # Passes wait, on the device, for the in-flight forward on this stream.
     cache.evictor.forward_stream = forward_stream_of(ctx.tp_worker)
+    capture.attach(cache.evictor, getattr(ctx.tp_worker, "model_runner", None))
     if ctx.tp_size > 1 and config.scorer in TP_REDUCED_SCORERS:
         if ctx.params.tp_cache_group is None:
             raise ValueError(
@@ -176,9 +186,10 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
         from sglang_evict.metrics import EvictionMetrics
 
         _Active.metrics = EvictionMetrics.create(config.scorer)
+    plan = capture.STATE.plan if cache.evictor.query_ring is not None else None
     logger.info(
         "sglang-evict active: budget=%d cadence=%d sinks=%d protected=%d window=%d scorer=%s "
-        "compaction=%s page_size=%d attention_backend=%s (unchanged by the plugin)",
+        "compaction=%s page_size=%d attention_backend=%s (%s, unchanged by the plugin); %s",
         config.kv_budget_tokens,
         config.cadence_tokens,
         config.sink_tokens,
@@ -188,5 +199,7 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
         config.compaction,
         config.page_size,
         getattr(ctx.server_args, "attention_backend", None),
+        capture.STATE.attention_backend,
+        plan.describe() if plan is not None else "query capture off (the scorer reads no queries)",
     )
     return cache

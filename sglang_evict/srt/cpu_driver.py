@@ -11,7 +11,9 @@ from torch import Tensor
 
 from sglang_evict.config import EvictionConfig
 from sglang_evict.evictor import EvictionManager, PassResult
+from sglang_evict.query_capture import QueryRing, RingShape
 from sglang_evict.srt.backend import EvictingRadixCache
+from sglang_evict.srt.capture import claim_query_rows
 from sglang_evict.srt.hooks import compact_decode_batch
 from sglang_evict.srt.request_policy import attach_policy
 
@@ -54,6 +56,7 @@ class MemoryDriver:
             num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
             dtype=model.dtype,
+            num_q_heads=model.num_heads,
             **kwargs,
         )
 
@@ -70,7 +73,10 @@ class MemoryDriver:
         max_requests: int = 64,
         max_context: int = 4096,
         device: str = "cpu",
+        num_q_heads: int | None = None,
     ) -> None:
+        """``num_q_heads``: the model's query heads; with a query-reading scorer the
+        driver then gives the plugin a query ring (``record_queries`` feeds it)."""
         from sglang.srt.mem_cache.allocator import (
             PagedTokenToKVPoolAllocator,
             TokenToKVPoolAllocator,
@@ -113,6 +119,17 @@ class MemoryDriver:
             if config
             else RadixCache(self.cache_params)
         )
+        manager = self.evictor
+        if manager is not None and manager.scorer.needs_queries and num_q_heads is not None:
+            shape = RingShape(
+                num_layers=num_layers,
+                num_request_rows=self.req_to_token_pool.req_to_token.shape[0],
+                window=config.query_window_tokens,
+                num_q_heads=num_q_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+            )
+            manager.query_ring = QueryRing(shape, device)
         self.running: dict[str, object] = {}
 
     @property
@@ -159,6 +176,8 @@ class MemoryDriver:
         self.cache.inc_lock_ref(req.last_node)
         if self.req_to_token_pool.alloc([req]) is None:
             raise RuntimeError("request pool exhausted")
+        if self.evictor is not None and self.evictor.query_ring is not None:
+            claim_query_rows(self.evictor.query_ring, self.req_to_token_pool, [req])
         n_prefix, n_total = len(prefix), len(prompt)
         if self.page_size == 1:
             slots = self.allocator.alloc(n_total - n_prefix)

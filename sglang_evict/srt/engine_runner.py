@@ -166,7 +166,12 @@ class EngineProcess:
         if not self.connection.poll(timeout_s):
             self.close()
             raise EngineError(f"engine did not start within {timeout_s:.0f} s{self._tail()}")
-        reply = self._receive()
+        try:
+            reply = self._receive()
+        except (OSError, EOFError) as error:  # the host process died while starting
+            tail = self._tail()
+            self.close()
+            raise EngineError(f"engine process died while starting ({error}){tail}") from None
         if reply.get("error"):
             self.close()
             raise EngineError(f"engine failed to start: {reply['error']}{self._tail()}")

@@ -22,6 +22,7 @@ read KV the overlapped forward is still writing, nor overwrite KV it is still re
       seq_lens + 1
     forward N+1 launched: forward_stream.wait_stream(schedule_stream)
       ForwardBatch.init_new AFTER hook: positions = seq_lens - 1 + offset[row]
+      (extend batches: the query ring's rows of new requests reset, ``capture``)
 
 Every byte the pass reads or writes is ordered after forward N by the device-side wait,
 and every later forward after the pass by SGLang's own ``wait_stream`` at launch: so
@@ -43,6 +44,7 @@ import torch
 
 from sglang_evict.evictor import DueRequest, EvictionManager, PassResult
 from sglang_evict.srt.backend import EvictingRadixCache, _Active
+from sglang_evict.srt.capture import on_forward_batch
 from sglang_evict.srt.introspection import log_pass, log_passes_enabled
 from sglang_evict.srt.request_policy import policy_of
 from sglang_evict_kernels import device_int64
@@ -165,4 +167,9 @@ def _after_forward_batch_init_new(forward_batch, *args, **kwargs):
         forward_batch.positions = manager.decode_positions(
             forward_batch.req_pool_indices, forward_batch.seq_lens
         ).to(forward_batch.positions.device)
+    if manager is not None and manager.query_ring is not None:
+        # init_new(cls, batch, model_runner, ...): the extend batch's new rows are reset.
+        batch = args[1] if len(args) > 1 else kwargs.get("batch")
+        model_runner = args[2] if len(args) > 2 else kwargs.get("model_runner")
+        on_forward_batch(forward_batch, batch, model_runner)
     return forward_batch

@@ -80,7 +80,10 @@ def log_request(rid: str, report: dict) -> None:
 
 
 def plugin_report(manager, totals: PassTotals) -> dict:
+    from sglang_evict.srt import capture
+
     report = {"tracked_requests": manager.num_tracked_requests(), **asdict(totals)}
+    report["query_capture"] = capture.report()
     compactor = manager.compactor
     if hasattr(compactor, "sidecar_passes"):  # --kv-compactor grpc (FallbackCompactor)
         report["compactor"] = {

@@ -52,16 +52,18 @@ class SGLangPoolAccess:
             (rows.unsqueeze(1), columns), values.to(self.req_to_token.dtype)
         )
 
-    def gather_keys(self, slots: Tensor) -> Tensor:
+    def gather_layer_keys(self, layer: int, slots: Tensor) -> Tensor:
+        """float ``[len(slots), kv_heads, head_dim]``: one layer's cached keys."""
         pool = self.kv_pool
-        slots = slots.to(pool.device)
-        layers = []
-        for buffer in pool.k_buffer:
-            keys = buffer.index_select(0, slots)
-            if pool.store_dtype != pool.dtype:  # fp8 stored as uint8
-                keys = keys.view(pool.dtype)
-            layers.append(keys.float())
-        return torch.stack(layers)
+        keys = pool.k_buffer[layer].index_select(0, slots.to(pool.device))
+        if pool.store_dtype != pool.dtype:  # fp8 stored as uint8
+            keys = keys.view(pool.dtype)
+        return keys.float()
+
+    def gather_keys(self, slots: Tensor) -> Tensor:
+        return torch.stack(
+            [self.gather_layer_keys(layer, slots) for layer in range(len(self.kv_pool.k_buffer))]
+        )
 
     def available_pages(self) -> int:
         """Free pages the allocator can hand out now (a length: no device read)."""

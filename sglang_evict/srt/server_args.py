@@ -30,9 +30,9 @@ BACKEND_NAME = "sglang-evict"
 CONFIG_ENV = "SGLANG_EVICT_CONFIG"
 
 # Whether the server captures queries inside the engine's attention forward, which the
-# query-reading scorers (``window``, ``rkv``) need. Not wired yet (the CPU reference loop
-# has it); when it is, this is the one line that changes.
-SERVER_CAPTURES_QUERIES = False
+# query-reading scorers (``window``, ``rkv``) need: ``sglang_evict.srt.capture`` copies
+# each layer's queries into the query ring from ``AttentionBackend.forward``.
+SERVER_CAPTURES_QUERIES = True
 
 # KV cache dtypes whose pools keep block scales beside the values (MHATokenToKVPoolMXFP8,
 # MHATokenToKVPoolFP4): compaction moves the values only, so these are refused.
@@ -261,6 +261,13 @@ def startup_problems(
         problems.append(
             f"--kv-scorer {scorer} reads queries captured inside the attention forward, which "
             f"the server does not capture yet; use one of {list(runnable)}"
+        )
+    if SCORERS[scorer].needs_queries and getattr(server_args, "enable_torch_compile", False):
+        problems.append(
+            f"--enable-torch-compile with --kv-scorer {scorer} is not supported yet (query "
+            f"capture inside the attention is not verified under torch.compile); remove "
+            f"--enable-torch-compile or use one of "
+            f"{[n for n in runnable if not SCORERS[n].needs_queries]}"
         )
     tp_size = getattr(server_args, "tp_size", 1) or 1
     supported_under_tp = RANK_INDEPENDENT_SCORERS + TP_REDUCED_SCORERS

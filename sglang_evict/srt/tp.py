@@ -7,9 +7,11 @@ import torch
 from torch import Tensor
 
 # Scorers whose survivors do not depend on this rank's KV heads, and those whose
-# per-rank scores are reduced across tensor-parallel ranks (``tp_score_reducer``).
+# per-rank scores are reduced across tensor-parallel ranks (``tp_score_reducer``): each
+# rank scores its own heads (``window``/``rkv`` from its own query heads, captured by
+# its own attention) and every head counts once in the reduction.
 RANK_INDEPENDENT_SCORERS = ("streaming", "random")
-TP_REDUCED_SCORERS = ("knorm",)
+TP_REDUCED_SCORERS = ("knorm", "window", "rkv")
 
 
 def tp_score_reducer(group, head_reduction: str):

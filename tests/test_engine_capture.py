@@ -1,0 +1,195 @@
+"""Query capture in SGLang's real engine (CPU, ``torch_native`` attention, overlap
+scheduler on): with ``window`` (each mode) and ``rkv`` the engine generates exactly what
+the CPU reference loop generates for the same checkpoint, prompts and policy; the query
+ring costs what the formula says and SGLang's KV pool is that much smaller; the
+attention backend is the one SGLang chose; an evictable prompt is scored at its first
+pass by the queries captured at the end of prefill.
+
+Engines are few (each start costs 30-150 s here): one per scorer setting, the mode a
+per-server setting (the policy), request slots bounded (``max_running_requests``) so the
+ring of each is small. The GPU backends (``triton``, ``flashinfer``) and CUDA-graph
+replay need a GPU: ``test_query_capture`` pins on CPU what keeps the copy graph-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.engine_harness import (
+    EngineSpec,
+    greedy,
+    policy_fields,
+    reference_outputs,
+    shared_system_prompts,
+)
+
+pytestmark = pytest.mark.engine
+
+MAX_RUNNING_REQUESTS = 8
+QUERY_WINDOW = 32  # EvictionConfig.query_window_tokens' default
+NEW_TOKENS = 80  # a first pass at 64 tokens, then one every 16: 2-3 passes per request
+
+
+def capture_policy(scorer: str, compaction: str = "hole_fill", **scorer_params) -> dict:
+    return policy_fields(
+        scorer=scorer, compaction=compaction, scorer_params=scorer_params, evict_prompt=True
+    )
+
+
+def capture_spec(page_size: int, policy: dict) -> EngineSpec:
+    return EngineSpec.plugin(
+        page_size, engine_args={"max_running_requests": MAX_RUNNING_REQUESTS}, **policy
+    )
+
+
+WINDOW_LAST = capture_policy("window", mode="last")
+CASES = [
+    pytest.param(1, WINDOW_LAST, id="page1-window-last"),
+    pytest.param(
+        1,
+        capture_policy("window", mode="cumulative", head_normalization="none"),
+        id="page1-window-cumulative",
+    ),
+    pytest.param(1, capture_policy("rkv"), id="page1-rkv"),
+    pytest.param(4, capture_policy("window", compaction="repack"), id="page4-window-sum-repack"),
+]
+PAGE4_SUM = capture_spec(4, capture_policy("window", compaction="repack"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(engine_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(engine_model))
+
+
+@pytest.fixture(scope="module")
+def prompts(engine_model):
+    return shared_system_prompts(engine_model)
+
+
+def test_query_ring_costs_the_formula_and_the_kv_pool_shrinks_by_it(engines, engine_model, prompts):
+    config = json.loads((engine_model / "config.json").read_text())
+    layers, q_heads = config["num_hidden_layers"], config["num_attention_heads"]
+    kv_heads = config["num_key_value_heads"]
+    head_dim = config["hidden_size"] // q_heads
+    rows = MAX_RUNNING_REQUESTS + 2  # SGLang's padding row, the ring's scratch row
+    ring_bytes = rows * QUERY_WINDOW * (layers * q_heads * head_dim * 4 + 8)  # float32
+    kv_bytes_per_token = kv_heads * 2 * head_dim * layers * 4
+
+    plain = engines.get(EngineSpec.plain(1)).server_info()
+    engine = engines.get(capture_spec(1, WINDOW_LAST))
+    info = engine.server_info()
+    report = engine.plugin_state()["query_capture"]
+    assert report["ring_bytes"] == report["allocated_bytes"] == ring_bytes
+    assert report["kv_bytes_per_token"] == kv_bytes_per_token
+    reserved = math.ceil(ring_bytes / kv_bytes_per_token)  # page size 1
+    # SGLang's own pool size, with and without capture, at the same --max-total-tokens.
+    assert plain["max_total_num_tokens"] - info["max_total_num_tokens"] == reserved
+    assert report["pool_tokens_after"] == info["max_total_num_tokens"]
+    assert f"KV pool {plain['max_total_num_tokens']} -> {info['max_total_num_tokens']}" in (
+        engine.log_text()
+    )
+
+
+def test_attention_backend_is_the_one_sglang_chose_and_captures_run_inside_it(engines, prompts):
+    plain = engines.get(EngineSpec.plain(1)).server_info()
+    engine = engines.get(capture_spec(1, WINDOW_LAST))
+    mark = engine.mark()
+    engine.generate(prompts[:1], greedy(8))
+    info = engine.server_info()
+    assert info["attention_backend"] == plain["attention_backend"] == "torch_native"
+    report = engine.plugin_state()["query_capture"]
+    assert report["attention_backend"] == "TorchNativeAttnBackend"
+    assert "attention_backend=torch_native (TorchNativeAttnBackend" in engine.log_text()
+    # The hook ran in the backend's forward, per layer, for the prefill and each step.
+    calls = report["hook_calls"]
+    assert calls["extend"] >= 2 and calls["decode"] >= 2 * 7
+    assert engine.log_since(mark).count("Decode batch") >= 6
+
+
+@pytest.mark.parametrize(("page_size", "policy"), CASES)
+def test_engine_outputs_equal_the_cpu_reference_loop_with_query_scorers(
+    engines, reference_model, prompts, page_size, policy
+):
+    engine = engines.get(capture_spec(page_size, policy))
+    assert engine.flush_cache()  # nothing cached from earlier tests: the same prefills
+    mark = engine.mark()
+    outputs = engine.generate(prompts, greedy(NEW_TOKENS))
+    expected, result = reference_outputs(
+        reference_model, prompts, NEW_TOKENS, page_size=page_size, policy=policy
+    )
+    assert len(result.passes) >= 2 * len(prompts)
+    for i, (out, want) in enumerate(zip(outputs, expected, strict=True)):
+        got = out["output_ids"]
+        first = next((t for t, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        assert got == want, f"prompt {i}: engine and reference differ from token {first}"
+    passes = [r for record in engine.pass_records(mark) for r in record["requests"]]
+    assert len(passes) == len(result.passes)
+
+
+def test_an_evictable_prompt_is_scored_at_its_first_pass_by_its_prefill_queries(
+    engines, reference_model, tokenizer
+):
+    """A 90-token prompt over budget + cadence, ``evict_prompt`` on: the engine's first
+    pass comes at the second decode step (the window then holds the last prompt queries
+    captured at prefill, and the first generated token's) and evicts prompt tokens; the
+    outputs equal the reference loop's, which scores the same window."""
+    from sglang_evict.engine_model import _CORPUS
+
+    prompt = tokenizer(_CORPUS)["input_ids"][:90]
+    new_tokens = 40
+    engine = engines.get(PAGE4_SUM)
+    assert engine.flush_cache()
+    mark = engine.mark()
+    (out,) = engine.generate([prompt], greedy(new_tokens))
+    policy = capture_policy("window", compaction="repack")
+    expected, result = reference_outputs(
+        reference_model, [prompt], new_tokens, page_size=4, policy=policy
+    )
+    assert out["output_ids"] == expected[0]
+    first = engine.pass_records(mark)[0]["requests"][0]
+    assert first["tokens_before"] == len(prompt) + 1 == result.passes[0][2].tokens_before
+    assert first["tokens_after"] == policy["kv_budget_tokens"]
+    assert result.passes[0][1] == 1  # the reference's second decode step too
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU backends)")
+@pytest.mark.parametrize(
+    ("backend", "backend_class"),
+    [("triton", "TritonAttnBackend"), ("flashinfer", "FlashInferAttnBackend")],
+)
+def test_gpu_backend_captures_queries_inside_cuda_graph_replays(
+    engines, prompts, backend, backend_class
+):
+    """On a GPU backend, decode runs as CUDA-graph replays, where no Python hook runs:
+    the ring still gets each step's queries (the copy is in the graph), so ``rkv``
+    generates the same tokens with graphs as without, and the backend is SGLang's."""
+    gpu = {
+        "device": "cuda",
+        "attention_backend": backend,
+        "model_impl": "auto",
+        "dtype": "bfloat16",
+    }
+    outputs = {}
+    for graphs in (True, False):
+        spec = EngineSpec.plugin(
+            1,
+            engine_args={
+                **gpu,
+                "disable_cuda_graph": not graphs,
+                "max_running_requests": MAX_RUNNING_REQUESTS,
+            },
+            **capture_policy("rkv"),
+        )
+        engine = engines.get(spec)
+        mark = engine.mark()
+        (out,) = engine.generate(prompts[:1], greedy(NEW_TOKENS))  # batch of one: no padding
+        assert engine.pass_records(mark), "no pass ran"
+        assert engine.plugin_state()["query_capture"]["attention_backend"] == backend_class
+        outputs[graphs] = out["output_ids"]
+    assert outputs[True] == outputs[False]
