@@ -16,6 +16,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sglang_evict.batch_pass.scoring import score_rows
 from sglang_evict.query_capture import QueryRing, RingShape, kv_tokens_for
 from sglang_evict.scorers import KVView, build_scorer
 from sglang_evict.scorers.base import BatchKVView
@@ -334,6 +335,25 @@ def test_batched_scores_equal_the_per_request_scorer(name, params):
     for r, (logical, request_view) in enumerate(per_request):
         expected = scorer.score(request_view)
         got = batched[r, : view.lengths[r]][logical]
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=f"request {r}")
+
+
+def test_a_pass_mixing_scorers_scores_each_request_as_its_own_scorer_alone():
+    """Requests of one pass that chose different scorers (per-request policy) are scored
+    in one group per scorer: each group reads its own requests' queries and carried
+    scores, never a neighbour's."""
+    view, per_request = batch_case(lengths=(30, 17, 24, 9))
+    chosen = [
+        build_scorer("rkv"),
+        build_scorer("knorm"),
+        build_scorer("window", {"mode": "cumulative", "head_normalization": "none"}),
+        build_scorer("rkv"),
+    ]
+    chosen[3] = chosen[0]  # one instance per scorer, as the manager holds them
+    mixed = score_rows(chosen, view, lambda r, order: None)
+    for r, (logical, request_view) in enumerate(per_request):
+        expected = chosen[r].score(request_view)
+        got = mixed[r, : view.lengths[r]][logical]
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=f"request {r}")
 
 

@@ -43,14 +43,14 @@ def policy(page_size: int, **overrides) -> EvictionConfig:
 def scored_passes(monkeypatch):
     """Every batched pass's scorer inputs and ``[R, N]`` scores, in order."""
     log = []
-    score_batch = evictor_module.score_batch
+    score_rows = evictor_module.score_rows
 
-    def recording(scorer, view, request_view):
-        scores = score_batch(scorer, view, request_view)
+    def recording(scorers, view, request_view):
+        scores = score_rows(scorers, view, request_view)
         log.append((view, scores))
         return scores
 
-    monkeypatch.setattr(evictor_module, "score_batch", recording)
+    monkeypatch.setattr(evictor_module, "score_rows", recording)
     return log
 
 

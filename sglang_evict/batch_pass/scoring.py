@@ -16,7 +16,6 @@ Selection is per row, so scores of different scorers never meet.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -64,15 +63,7 @@ def score_rows(scorers: Sequence[Scorer], view: BatchKVView, request_view: Reque
     out = torch.zeros(view.slots.shape, dtype=torch.float32, device=view.slots.device)
     for rows in groups.values():
         index = device_int64(rows, view.slots.device)
-        sub = dataclasses.replace(
-            view,
-            slots=view.slots.index_select(0, index),
-            positions=view.positions.index_select(0, index),
-            valid=view.valid.index_select(0, index),
-            current_positions=view.current_positions.index_select(0, index),
-            lengths=tuple(view.lengths[r] for r in rows),
-            current_positions_host=tuple(view.current_positions_host[r] for r in rows),
-        )
+        sub = view.select_rows(rows, index)
 
         def sub_request_view(r: int, order: Tensor, rows=rows) -> KVView:
             return request_view(rows[r], order)

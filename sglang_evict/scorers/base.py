@@ -25,7 +25,8 @@ device, so identical inputs give identical scores; selection breaks ties by inde
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -132,6 +133,16 @@ class QueryWindow:
         )
         return queries, self.positions[r, cells]
 
+    def select_rows(self, index: Tensor) -> QueryWindow:
+        """The requests ``index`` (int64 ``[R']`` on the device) only, in that order."""
+        of_layer = self.queries_of_layer
+        return QueryWindow(
+            num_layers=self.num_layers,
+            queries_of_layer=lambda layer: of_layer(layer).index_select(0, index),
+            positions=self.positions.index_select(0, index),
+            valid=self.valid.index_select(0, index),
+        )
+
 
 @dataclass(frozen=True)
 class BatchKVView:
@@ -185,6 +196,25 @@ class BatchKVView:
         else:
             keys = self.gather_keys(flat)[layer]
         return keys.float().view(*self.slots.shape, *keys.shape[1:])
+
+    def select_rows(self, rows: Sequence[int], index: Tensor) -> BatchKVView:
+        """The requests ``rows`` only, in that order (``index``: the same as int64 on the
+        device): every per-request field is subset, the pool's fields are shared."""
+
+        def pick(tensor: Tensor | None) -> Tensor | None:
+            return None if tensor is None else tensor.index_select(0, index)
+
+        return dataclasses.replace(
+            self,
+            slots=self.slots.index_select(0, index),
+            positions=self.positions.index_select(0, index),
+            valid=self.valid.index_select(0, index),
+            current_positions=self.current_positions.index_select(0, index),
+            lengths=tuple(self.lengths[r] for r in rows),
+            current_positions_host=tuple(self.current_positions_host[r] for r in rows),
+            queries=None if self.queries is None else self.queries.select_rows(index),
+            accumulated_scores=pick(self.accumulated_scores),
+        )
 
 
 def aggregate_segments(
