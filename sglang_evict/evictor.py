@@ -99,8 +99,7 @@ from sglang_evict.pass_state import (
 )
 from sglang_evict.query_capture import QueryRing
 from sglang_evict.request_policy import RequestLimits, RequestPolicy, default_policy
-from sglang_evict.scorers import KVView, Scorer, build_scorer
-from sglang_evict.scorers.base import BatchKVView
+from sglang_evict.scorers import Scorer, build_scorer
 from sglang_evict_kernels import repack_kv_independent
 
 logger = logging.getLogger(__name__)
@@ -437,7 +436,7 @@ class EvictionManager:
         )
         columns, rows_raw, view = inputs.columns, inputs.rows_raw, inputs.view
         with tracer.start_as_current_span(tracing.SPAN_SCORE):
-            scores = score_rows(scorers, view, self._request_view(work, scorers, view))
+            scores = score_rows(scorers, view)
             if self.score_reducer is not None:
                 scores = self.score_reducer(scores)
         protected = protected_ranges_mask(
@@ -500,27 +499,6 @@ class EvictionManager:
             )
             for i, ((d, c), scorer) in enumerate(zip(work, scorers, strict=True))
         ]
-
-    def _request_view(self, work, scorers: list[Scorer], view: BatchKVView):
-        """One request's ``KVView`` in logical order (scorers without a batched form)."""
-
-        def request_view(r: int, order: Tensor) -> KVView:
-            queries = query_positions = accumulated = None
-            if view.queries is not None:
-                queries, query_positions = view.queries.request_queries(r)
-            length = view.lengths[r]
-            if view.accumulated_scores is not None:
-                accumulated = view.accumulated_scores[r, :length][order]
-            return KVView(
-                keys=view.gather_keys(view.slots[r, :length][order]),
-                positions=view.positions[r, :length][order],
-                current_position=view.current_positions_host[r],
-                queries=queries,
-                query_positions=query_positions,
-                accumulated_scores=accumulated,
-            )
-
-        return request_view
 
     def _claim_staging(self, columns, staging_counts: list[int]):
         """``(staging [R, U], given [R, U], claimed)``: the repack staging pages, laid out

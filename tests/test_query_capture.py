@@ -350,7 +350,7 @@ def test_a_pass_mixing_scorers_scores_each_request_as_its_own_scorer_alone():
         build_scorer("rkv"),
     ]
     chosen[3] = chosen[0]  # one instance per scorer, as the manager holds them
-    mixed = score_rows(chosen, view, lambda r, order: None)
+    mixed = score_rows(chosen, view)
     for r, (logical, request_view) in enumerate(per_request):
         expected = chosen[r].score(request_view)
         got = mixed[r, : view.lengths[r]][logical]

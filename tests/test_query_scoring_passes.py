@@ -45,8 +45,8 @@ def scored_passes(monkeypatch):
     log = []
     score_rows = evictor_module.score_rows
 
-    def recording(scorers, view, request_view):
-        scores = score_rows(scorers, view, request_view)
+    def recording(scorers, view):
+        scores = score_rows(scorers, view)
         log.append((view, scores))
         return scores
 

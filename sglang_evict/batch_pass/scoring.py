@@ -1,22 +1,21 @@
 """Scores of every due request of a batched pass, ``[R, N]`` on the pool's device.
 
 A scorer with a batched form (``Scorer.batch_scores``: ``knorm`` reads every token's
-key norm in one kernel launch or one gather, ``streaming`` returns the positions)
-scores the whole batch at once. The others are scored one request at a time through
-the scorer's own ``score(KVView)``, tokens in logical order as that contract says: a
-loop over requests (not tokens), each a few launches, and, for query-reading scorers
-(``window``, ``rkv``), the queries the CPU loop captured (``EvictionManager.
-record_queries``). A device ring of queries indexed by request-pool row plugs in here
-as a batched form of those scorers.
+key norm in one kernel launch or one gather, ``streaming`` returns the positions,
+``window`` and ``rkv`` read the captured queries of every request at once) scores the
+whole batch at once. The others are scored one request at a time through the scorer's
+own ``score(KVView)``, tokens in logical order as that contract says (``request_view``):
+a loop over requests (not tokens), each a few launches.
 
 Requests of one pass may have chosen different scorers (a per-request policy):
-``score_rows`` groups the rows by scorer and scores each group as its own batch.
-Selection is per row, so scores of different scorers never meet.
+``score_rows`` groups the rows by scorer and scores each group as its own batch
+(``BatchKVView.select_rows``). Selection is per row, so scores of different scorers
+never meet.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -24,11 +23,27 @@ from torch import Tensor
 from sglang_evict.scorers.base import BatchKVView, KVView, Scorer
 from sglang_evict_kernels import device_int64
 
-# (request index, its tokens' columns in logical order) -> that request's KVView.
-RequestView = Callable[[int, Tensor], KVView]
+
+def request_view(view: BatchKVView, r: int, order: Tensor) -> KVView:
+    """Request ``r``'s ``KVView``, its tokens taken in ``order`` (its columns in logical
+    order): the per-request form, for scorers without a batched one."""
+    queries = query_positions = accumulated = None
+    if view.queries is not None:
+        queries, query_positions = view.queries.request_queries(r)
+    length = view.lengths[r]
+    if view.accumulated_scores is not None:
+        accumulated = view.accumulated_scores[r, :length][order]
+    return KVView(
+        keys=view.gather_keys(view.slots[r, :length][order]),
+        positions=view.positions[r, :length][order],
+        current_position=view.current_positions_host[r],
+        queries=queries,
+        query_positions=query_positions,
+        accumulated_scores=accumulated,
+    )
 
 
-def score_batch(scorer: Scorer, view: BatchKVView, request_view: RequestView) -> Tensor:
+def score_batch(scorer: Scorer, view: BatchKVView) -> Tensor:
     """float32 ``[R, N]``, higher = keep; padding columns hold 0."""
     scores = scorer.batch_scores(view)
     if scores is not None:
@@ -47,26 +62,22 @@ def score_batch(scorer: Scorer, view: BatchKVView, request_view: RequestView) ->
         if per_head is not None:
             scores = scorer.aggregate(per_head)
         else:
-            scores = scorer.score(request_view(r, order))
+            scores = scorer.score(request_view(view, r, order))
         out[r, :length] = torch.zeros_like(scores).scatter_(0, order, scores.float())
     return out
 
 
-def score_rows(scorers: Sequence[Scorer], view: BatchKVView, request_view: RequestView) -> Tensor:
+def score_rows(scorers: Sequence[Scorer], view: BatchKVView) -> Tensor:
     """float32 ``[R, N]``: row ``r`` scored by ``scorers[r]``. One ``score_batch`` per
     distinct scorer, over that scorer's rows only (the whole batch when all agree)."""
     groups: dict[int, list[int]] = {}
     for r, scorer in enumerate(scorers):
         groups.setdefault(id(scorer), []).append(r)
     if len(groups) == 1:
-        return score_batch(scorers[0], view, request_view)
+        return score_batch(scorers[0], view)
     out = torch.zeros(view.slots.shape, dtype=torch.float32, device=view.slots.device)
     for rows in groups.values():
         index = device_int64(rows, view.slots.device)
         sub = view.select_rows(rows, index)
-
-        def sub_request_view(r: int, order: Tensor, rows=rows) -> KVView:
-            return request_view(rows[r], order)
-
-        out.index_copy_(0, index, score_batch(scorers[rows[0]], sub, sub_request_view))
+        out.index_copy_(0, index, score_batch(scorers[rows[0]], sub))
     return out
