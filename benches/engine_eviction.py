@@ -10,7 +10,7 @@ child process three times over the same random-weight Llama and prompts:
 and reports, from SGLang's own decode log lines (``#running-req: N, #token: T``), the
 peak KV tokens in use per running request, output agreement of plain vs off, the
 attention backend each engine chose, and decode throughput ratios measured in the
-same run. Needs the GPU machine's carried SGLang (see ../shared/gpu/README.md) and the
+same run. Needs a GPU machine with SGLang 0.5.17 (and its CUDA kernels) installed, and the
 project installed there with ``pip install --no-deps --no-build-isolation -e .``::
 
     . .gpu_carry/env.sh && python3 -m pip install -q --no-deps --no-build-isolation -e . \\

@@ -47,15 +47,21 @@ def capture_spec(page_size: int, policy: dict) -> EngineSpec:
 
 
 WINDOW_LAST = capture_policy("window", mode="last")
+# (page size, the server's policy, the scorer the requests choose: None, the server's).
+# ``rkv`` is chosen per request on the window engine (a server capturing queries serves
+# every query-reading scorer).
 CASES = [
-    pytest.param(1, WINDOW_LAST, id="page1-window-last"),
+    pytest.param(1, WINDOW_LAST, None, id="page1-window-last"),
     pytest.param(
         1,
         capture_policy("window", mode="cumulative", head_normalization="none"),
+        None,
         id="page1-window-cumulative",
     ),
-    pytest.param(1, capture_policy("rkv"), id="page1-rkv"),
-    pytest.param(4, capture_policy("window", compaction="repack"), id="page4-window-sum-repack"),
+    pytest.param(1, WINDOW_LAST, "rkv", id="page1-rkv-per-request"),
+    pytest.param(
+        4, capture_policy("window", compaction="repack"), None, id="page4-window-sum-repack"
+    ),
 ]
 PAGE4_SUM = capture_spec(4, capture_policy("window", compaction="repack"))
 
@@ -112,16 +118,23 @@ def test_attention_backend_is_the_one_sglang_chose_and_captures_run_inside_it(en
     assert engine.log_since(mark).count("Decode batch") >= 6
 
 
-@pytest.mark.parametrize(("page_size", "policy"), CASES)
+@pytest.mark.parametrize(("page_size", "policy", "request_scorer"), CASES)
 def test_engine_outputs_equal_the_cpu_reference_loop_with_query_scorers(
-    engines, reference_model, prompts, page_size, policy
+    engines, reference_model, prompts, page_size, policy, request_scorer
 ):
     engine = engines.get(capture_spec(page_size, policy))
     assert engine.flush_cache()  # nothing cached from earlier tests: the same prefills
+    custom = None if request_scorer is None else {"sglang_evict": {"scorer": request_scorer}}
     mark = engine.mark()
-    outputs = engine.generate(prompts, greedy(NEW_TOKENS))
+    extra = {} if custom is None else {"custom_params": custom}
+    outputs = engine.generate(prompts, greedy(NEW_TOKENS, **extra))
     expected, result = reference_outputs(
-        reference_model, prompts, NEW_TOKENS, page_size=page_size, policy=policy
+        reference_model,
+        prompts,
+        NEW_TOKENS,
+        page_size=page_size,
+        policy=policy,
+        custom_params=None if custom is None else [custom] * len(prompts),
     )
     assert len(result.passes) >= 2 * len(prompts)
     for i, (out, want) in enumerate(zip(outputs, expected, strict=True)):

@@ -1,7 +1,8 @@
 """Token identity in SGLang's real engine (CPU, overlap scheduler on): with eviction the
 engine generates exactly what the project's CPU reference loop generates for the same
-checkpoint, prompts and policy (and the reference loop equals a masked full-cache
-replay); with a budget no request reaches, exactly what plain SGLang generates."""
+checkpoint, prompts and policy, the server's or each request's own (and the reference
+loop equals a masked full-cache replay). With a budget no request reaches, the engine
+generates exactly what plain SGLang generates: ``test_engine_policy``."""
 
 from __future__ import annotations
 
@@ -44,31 +45,54 @@ def triattention_stats(engine_model, tmp_path_factory):
     return str(out)
 
 
+# (page size, the server's scorer, the scorer the requests choose (None: the server's),
+# compaction, overlap scheduler). Requests choosing their scorer (a per-request policy)
+# share the page-1 streaming engine.
 CASES = [
-    pytest.param(1, "streaming", "hole_fill", True, id="page1-streaming"),
-    pytest.param(1, "streaming", "hole_fill", False, id="page1-streaming-no-overlap"),
-    pytest.param(1, "knorm", "hole_fill", True, id="page1-knorm"),
-    pytest.param(1, "triattention", "hole_fill", True, id="page1-triattention"),
-    pytest.param(4, "knorm", "hole_fill", True, id="page4-hole_fill-knorm"),
-    pytest.param(4, "triattention", "repack", True, id="page4-repack-triattention"),
+    pytest.param(1, "streaming", None, "hole_fill", True, id="page1-streaming"),
+    pytest.param(1, "streaming", None, "hole_fill", False, id="page1-streaming-no-overlap"),
+    pytest.param(1, "streaming", "knorm", "hole_fill", True, id="page1-knorm-per-request"),
+    pytest.param(1, "triattention", None, "hole_fill", True, id="page1-triattention"),
+    pytest.param(4, "knorm", None, "hole_fill", True, id="page4-hole_fill-knorm"),
+    pytest.param(4, "triattention", None, "repack", True, id="page4-repack-triattention"),
 ]
 
 
-@pytest.mark.parametrize(("page_size", "scorer", "compaction", "overlap"), CASES)
+@pytest.mark.parametrize(("page_size", "scorer", "request_scorer", "compaction", "overlap"), CASES)
 def test_engine_outputs_equal_the_cpu_reference_loop_under_eviction(
-    engines, reference_model, prompts, triattention_stats, page_size, scorer, compaction, overlap
+    engines,
+    reference_model,
+    prompts,
+    triattention_stats,
+    page_size,
+    scorer,
+    request_scorer,
+    compaction,
+    overlap,
 ):
     """With the overlap scheduler on (SGLang's default) and, once, with
-    ``--disable-overlap-schedule``."""
-    params = {"stats_path": triattention_stats} if scorer == "triattention" else {}
-    policy = policy_fields(scorer=scorer, compaction=compaction, scorer_params=params)
+    ``--disable-overlap-schedule``; once with every request choosing its scorer."""
+    params = (
+        {"scorer_params": {"stats_path": triattention_stats}} if scorer == "triattention" else {}
+    )
+    policy = policy_fields(scorer=scorer, compaction=compaction, **params)
     engine = engines.get(EngineSpec.plugin(page_size, overlap=overlap, **policy))
+    custom = None
+    sampling = greedy(NEW_TOKENS)
+    if request_scorer is not None:
+        custom = {"sglang_evict": {"scorer": request_scorer}}
+        sampling = greedy(NEW_TOKENS, custom_params=custom)
     mark = engine.mark()
-    outputs = engine.generate(prompts, greedy(NEW_TOKENS))
+    outputs = engine.generate(prompts, sampling)
     engine_ids = [out["output_ids"] for out in outputs]
 
     expected, result = reference_outputs(
-        reference_model, prompts, NEW_TOKENS, page_size=page_size, policy=policy
+        reference_model,
+        prompts,
+        NEW_TOKENS,
+        page_size=page_size,
+        policy=policy,
+        custom_params=None if custom is None else [custom] * len(prompts),
     )
     # The reference loop is itself a masked full-cache replay of its survivor sets.
     assert (
@@ -84,14 +108,3 @@ def test_engine_outputs_equal_the_cpu_reference_loop_under_eviction(
     # The engine really evicted (SGLang's own log) as often as the reference loop did.
     passes = [r for record in engine.pass_records(mark) for r in record["requests"]]
     assert len(passes) == len(result.passes)
-
-
-def test_budget_above_every_request_generates_what_plain_sglang_generates(engines, prompts):
-    new_tokens = 120
-    plain = engines.get(EngineSpec.plain(1)).generate(prompts, greedy(new_tokens))
-    engine = engines.get(EngineSpec.plugin(1, kv_budget_tokens=100_000))
-    mark = engine.mark()
-    plugin = engine.generate(prompts, greedy(new_tokens))
-    assert [o["output_ids"] for o in plugin] == [o["output_ids"] for o in plain]
-    assert engine.pass_records(mark) == []
-    assert len({tuple(o["output_ids"]) for o in plain}) == len(prompts)  # distinct streams

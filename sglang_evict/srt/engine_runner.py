@@ -14,7 +14,7 @@ set to 1 here, so the KV it holds is read off SGLang's own accounting at every s
         for step in engine.decode_steps():
             ...  # DecodeStep(running_requests, tokens_held)
 
-On a machine without a GPU use ``cpu_engine_kwargs`` (../shared/cpu-engine settings).
+On a machine without a GPU use ``cpu_engine_kwargs`` (the README's "SGLang's real engine on CPU").
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ def cpu_engine_kwargs(model_path: str | os.PathLike, **overrides) -> dict:
         random_seed=0,
         decode_log_interval=1,
         log_level="info",
+        # An idle scheduler blocks on its sockets instead of polling them: on a 2-core
+        # machine a spinning idle engine takes a core from the one generating.
+        sleep_on_idle=True,
     )
     kwargs.update(overrides)
     return kwargs
