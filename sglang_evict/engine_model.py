@@ -116,15 +116,22 @@ def default_model_dir() -> Path:
 
 def ensure_engine_model(folder: str | os.PathLike | None = None) -> Path:
     """The model folder, built on first use (reused when its files are intact)."""
+    import fcntl
+
     folder = Path(folder) if folder is not None else default_model_dir()
-    manifest = folder / "BUILD.json"
-    if manifest.is_file():
-        try:
-            recorded = json.loads(manifest.read_text())
-            if recorded.get("model_version") == MODEL_VERSION and recorded.get("files") == _digests(
-                folder
-            ):
-                return folder
-        except (ValueError, OSError):
-            pass
-    return build_engine_model(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time (a demo, a server and test workers may ask at once): the
+    # others wait, then find the folder intact instead of reading half-written files.
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        manifest = folder / "BUILD.json"
+        if manifest.is_file():
+            try:
+                recorded = json.loads(manifest.read_text())
+                if recorded.get("model_version") == MODEL_VERSION and recorded.get(
+                    "files"
+                ) == _digests(folder):
+                    return folder
+            except (ValueError, OSError):
+                pass
+        return build_engine_model(folder)

@@ -44,6 +44,14 @@ def pytest_configure(config):
     )
 
 
+def pytest_collection_modifyitems(config, items):
+    """Engine tests run in one xdist worker (``--dist loadgroup``): they share the
+    session's engines, and two workers each starting their own would double the cost."""
+    for item in items:
+        if item.get_closest_marker("engine") is not None:
+            item.add_marker(pytest.mark.xdist_group("engine"))
+
+
 @pytest.fixture(scope="session")
 def engine_model():
     """The model + tokenizer the project builds offline for the engine (cached)."""
