@@ -58,8 +58,16 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
 
 @pytest.mark.engine
 def test_demo_runs_sglangs_engine_with_and_without_eviction_and_plots_kv_held(capsys, tmp_path):
-    """The README's main job, shortened: two real engines side by side."""
+    """The README's main job, shortened: two real engines side by side. The evicting
+    engine's passes go to a real compactor sidecar (``--kv-compactor grpc``; in-process
+    compaction is what every other engine test runs), and the demo says how many the
+    sidecar did: as many ``Compact`` calls as the sidecar itself counted."""
+    from compactor_service.v1 import compactor_pb2
+    from tests.compactor_process import CompactorProcess, call
+
     plot = tmp_path / "kv.png"
+    pool_dir = tmp_path / "pools"
+    sidecar = CompactorProcess(tmp_path / "compactor", pool_dir=str(pool_dir)).start()
     argv = [
         "demo",
         "--requests",
@@ -80,9 +88,21 @@ def test_demo_runs_sglangs_engine_with_and_without_eviction_and_plots_kv_held(ca
         str(plot),
         "--log-dir",
         str(tmp_path),
+        *("--kv-compactor", "grpc", "--kv-compactor-socket", str(sidecar.socket)),
+        *("--kv-compactor-pool-dir", str(pool_dir)),
     ]
-    assert main(argv) == 0
+    try:
+        assert main(argv) == 0
+        _, _, stats = call(sidecar.target, "Stats", compactor_pb2.StatsRequest())
+    finally:
+        sidecar.stop()
     out = capsys.readouterr().out
+    served = compactor_pb2.StatsResponse.FromString(stats).passes
+    line = re.search(
+        r"^compactor: (\d+) passes by the sidecar, (\d+) completed in-process$", out, re.M
+    )
+    assert line is not None, out
+    assert int(line.group(1)) == served >= 2 and int(line.group(2)) == 0
     passes = int(out.split("passes ")[1].split(",")[0])
     assert passes >= 2 * 2  # budget 64 + cadence 32: passes at 96 and 128 tokens per request
     held = int(re.search(r"^ +with eviction +(\d+)", out, re.M).group(1))
