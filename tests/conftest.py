@@ -44,6 +44,7 @@ def pytest_configure(config):
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Engine tests run in one xdist worker (``--dist loadgroup``): they share the
     session's engines, and two workers each starting their own would double the cost."""
