@@ -17,7 +17,7 @@ random-weight model (its replies are gibberish: this shows the mechanics)::
     sglang-evict serve --kv-budget 64 --kv-cadence 16 --kv-window 16 \\
         --kv-request-max-budget 512 \\
         --model-path "$MODEL" --device cpu --model-impl transformers \\
-        --attention-backend torch_native --disable-cuda-graph --dtype float32 \\
+        --attention-backend torch_native --dtype float32 --sleep-on-idle \\
         --sampling-backend pytorch --grammar-backend none --port 30000 &
     python examples/protected_chat.py --url http://127.0.0.1:30000
 
