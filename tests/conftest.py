@@ -83,9 +83,43 @@ def reference_model(engine_model):
 _ENGINE_REGISTRY = pytest.StashKey()
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
+_ENGINE_FIGURES = pytest.StashKey()
+
+
+def _engine_figures(config) -> dict:
+    """Start-up seconds and figures of this process's engines, and (xdist controller)
+    those its workers sent."""
+    figures = config.stash.setdefault(_ENGINE_FIGURES, {"start_times_s": [], "figures": []})
     registry = config.stash.get(_ENGINE_REGISTRY, None)
-    if registry is not None and registry.start_times_s:
+    if registry is not None:
+        return {
+            "start_times_s": figures["start_times_s"] + registry.start_times_s,
+            "figures": figures["figures"] + registry.figures,
+        }
+    return figures
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: send them over
+        session.config.workeroutput["sglang_engines"] = _engine_figures(session.config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # the xdist controller, as each worker ends
+    sent = getattr(node, "workeroutput", {}).get("sglang_engines")
+    if sent:
+        figures = _engine_figures(node.config)
+        figures["start_times_s"] += [tuple(x) for x in sent["start_times_s"]]
+        figures["figures"] += [tuple(x) for x in sent["figures"]]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    figures = _engine_figures(config)
+    if figures["start_times_s"]:
         terminalreporter.section("SGLang engines started (start-up seconds)")
-        for label, seconds in registry.start_times_s:
+        for label, seconds in figures["start_times_s"]:
             terminalreporter.write_line(f"{label}: {seconds} s")
+    if figures["figures"]:
+        terminalreporter.section("What the engine tests saw")
+        for test, what, value in figures["figures"]:
+            terminalreporter.write_line(f"{test}: {what} = {value}")

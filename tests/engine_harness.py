@@ -129,6 +129,11 @@ class EngineRegistry:
     log_dir: Path
     live: dict = field(default_factory=dict)  # spec -> EngineProcess, oldest first
     start_times_s: list = field(default_factory=list)  # (spec label, seconds)
+    # (test, what, value): figures the engine tests saw, printed at the session's end.
+    figures: list = field(default_factory=list)
+
+    def report(self, test: str, what: str, value) -> None:
+        self.figures.append((test, what, value))
 
     def _reuse(self, spec):
         engine = self.live.pop(spec, None)

@@ -97,6 +97,11 @@ def test_query_ring_costs_the_formula_and_the_kv_pool_shrinks_by_it(engines, eng
     # SGLang's own pool size, with and without capture, at the same --max-total-tokens.
     assert plain["max_total_num_tokens"] - info["max_total_num_tokens"] == reserved
     assert report["pool_tokens_after"] == info["max_total_num_tokens"]
+    engines.report(
+        "capture",
+        "ring bytes; KV pool tokens plain -> capture",
+        f"{ring_bytes}; {plain['max_total_num_tokens']} -> {info['max_total_num_tokens']}",
+    )
     assert f"KV pool {plain['max_total_num_tokens']} -> {info['max_total_num_tokens']}" in (
         engine.log_text()
     )
@@ -143,6 +148,11 @@ def test_engine_outputs_equal_the_cpu_reference_loop_with_query_scorers(
         assert got == want, f"prompt {i}: engine and reference differ from token {first}"
     passes = [r for record in engine.pass_records(mark) for r in record["requests"]]
     assert len(passes) == len(result.passes)
+    engines.report(
+        f"capture page {page_size} {policy['scorer']}/{request_scorer or policy['scorer']}",
+        "passes (engine = reference), tokens evicted",
+        f"{len(passes)}, {sum(r['tokens_before'] - r['tokens_after'] for r in passes)}",
+    )
 
 
 def test_an_evictable_prompt_is_scored_at_its_first_pass_by_its_prefill_queries(

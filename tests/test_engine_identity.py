@@ -112,3 +112,8 @@ def test_engine_outputs_equal_the_cpu_reference_loop_under_eviction(
     # The engine really evicted (SGLang's own log) as often as the reference loop did.
     passes = [r for record in engine.pass_records(mark) for r in record["requests"]]
     assert len(passes) == len(result.passes)
+    engines.report(
+        f"identity page {page_size} {request_scorer or scorer} {compaction} overlap={overlap}",
+        "passes (engine = reference), tokens evicted",
+        f"{len(passes)}, {sum(r['tokens_before'] - r['tokens_after'] for r in passes)}",
+    )

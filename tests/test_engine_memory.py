@@ -50,6 +50,9 @@ def test_kv_held_per_request_stays_within_budget_cadence_and_a_page(
     bound = BUDGET + CADENCE + page_size
     per_request = [s.tokens_held / s.running_requests for s in steps]
     assert max(per_request) <= bound, f"peak {max(per_request):.1f} tokens per request > {bound}"
+    label = f"memory page {page_size} {scorer}"
+    peak = f"{max(per_request):.0f} ({bound})"
+    engines.report(label, "peak KV tokens per running request (bound)", peak)
     # Saw-tooth: SGLang's count drops at passes, so it is not monotone.
     assert sum(b < a for a, b in itertools.pairwise(per_request)) >= 3
 
@@ -59,6 +62,8 @@ def test_kv_held_per_request_stays_within_budget_cadence_and_a_page(
         pages = sum(r["pages_freed"] for r in record["requests"])
         gained = record["free_slots_after"] - record["free_slots_before"]
         assert gained == pages * page_size, record
+    freed = sum(r["pages_freed"] for record in records for r in record["requests"])
+    engines.report(label, "steps with passes, pages freed", f"{len(records)}, {freed}")
     for record in records:  # pages before - pages after, exactly (compaction's promise)
         for r in record["requests"]:
             pages_before, pages_after = (
@@ -74,5 +79,7 @@ def test_without_the_plugin_kv_held_grows_with_the_output(engines, prompts):
     steps = busy_steps(engine.decode_steps(mark), len(prompts))
     per_request = [s.tokens_held / s.running_requests for s in steps]
     assert per_request == sorted(per_request)  # never drops
+    peak = f"{per_request[-1]:.0f}"
+    engines.report("memory plain SGLang", "peak KV tokens per running request", peak)
     # Each request's own output alone (its prompt's shared part is counted once).
     assert per_request[-1] >= NEW_TOKENS - 2 > BUDGET + CADENCE + 1

@@ -46,6 +46,7 @@ def test_cached_tokens_are_the_same_with_eviction_on_and_off(engines, prompts):
     with_plugin = cached_tokens_of_a_shared_system_prompt(plugin_engine, prompts)
     plain = cached_tokens_of_a_shared_system_prompt(plain_engine, prompts)
     assert with_plugin == plain
+    engines.report("radix", "cached_tokens with eviction / plain", f"{with_plugin} / {plain}")
     assert plain[0] == 0 and min(plain[1:]) >= 10  # the system prompt was matched
 
 
@@ -78,6 +79,11 @@ def test_a_prompt_repeating_an_evicted_request_never_matches_compacted_kv(
     )
     cached = repeated["meta_info"]["cached_tokens"]
     assert len(prompts[0]) <= cached <= first_evicted
+    engines.report(
+        "radix",
+        "repeat of an evicted request: cached (prompt, first evicted)",
+        f"{cached} ({len(prompts[0])}, {first_evicted})",
+    )
 
     fresh = engines.get(EngineSpec.plain(1))
     assert fresh.flush_cache()
