@@ -42,15 +42,24 @@ def pytest_configure(config):
         "engine: starts SGLang's real engine on CPU (slow; CI runs them, "
         "`pytest -m 'not engine'` skips them locally)",
     )
+    config.addinivalue_line(
+        "markers",
+        "engine_group(name): an engine test sharing no engine with the others (its own "
+        "xdist group)",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Engine tests run in one xdist worker (``--dist loadgroup``): they share the
-    session's engines, and two workers each starting their own would double the cost."""
+    session's engines, and two workers each starting their own would double the cost.
+    A test starting engines of its own (the demo: ``engine_group`` marker) runs apart,
+    beside them."""
     for item in items:
         if item.get_closest_marker("engine") is not None:
-            item.add_marker(pytest.mark.xdist_group("engine"))
+            own = item.get_closest_marker("engine_group")
+            group = own.args[0] if own is not None else "engine"
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

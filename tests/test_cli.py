@@ -57,6 +57,7 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
 
 
 @pytest.mark.engine
+@pytest.mark.engine_group("demo")  # its own two engines: beside the shared ones
 def test_demo_runs_sglangs_engine_with_and_without_eviction_and_plots_kv_held(capsys, tmp_path):
     """The README's main job, shortened: two real engines side by side. The evicting
     engine's passes go to a real compactor sidecar (``--kv-compactor grpc``; in-process

@@ -55,7 +55,6 @@ CASES = [
     pytest.param(1, "streaming", None, "hole_fill", True, id="page1-streaming"),
     pytest.param(1, "streaming", None, "hole_fill", False, id="page1-streaming-no-overlap"),
     pytest.param(1, "streaming", "knorm", "hole_fill", True, id="page1-knorm-per-request"),
-    pytest.param(1, "triattention", None, "hole_fill", True, id="page1-triattention"),
     pytest.param(4, "knorm", None, "hole_fill", True, id="page4-hole_fill-knorm"),
     pytest.param(4, "triattention", None, "repack", True, id="page4-repack-triattention"),
 ]
