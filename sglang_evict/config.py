@@ -20,6 +20,7 @@ from typing import Any
 
 from compactor_service.runtime_dir import DEFAULT_POOL_DIR, DEFAULT_SOCKET
 from compactor_service.secrets import check_redis_url, redact_url
+from sglang_evict.admission import ADMISSIONS
 from sglang_evict.planner import STRATEGIES as COMPACTION_STRATEGIES  # one definition
 
 # Ranges a config must stay inside; errors quote them.
@@ -101,6 +102,13 @@ class EvictionConfig:
             lower them). See ``sglang_evict.request_policy``.
         request_allow_disable: whether a request may turn eviction off for itself
             (``--kv-request-allow-disable``).
+        admission: ``bounded`` (default): SGLang's admission reserves for an evicting
+            request the KV it can still add under its budget, not the rest of its
+            ``max_new_tokens``; ``sglang``: SGLang's own arithmetic, unchanged
+            (``--kv-admission``; see ``sglang_evict.admission``).
+        pressure_passes: when a decode step cannot allocate, compact the most
+            evictable requests early before SGLang retracts any (default on;
+            ``--kv-no-pressure-passes`` turns it off).
 
     How per-head scores combine into one keep-set per request is a scorer parameter
     (``head_normalization``, ``head_reduction``; see ``sglang_evict.scorers.base``).
@@ -133,6 +141,8 @@ class EvictionConfig:
     request_max_budget_tokens: int | None = None
     request_max_cadence_tokens: int | None = None
     request_allow_disable: bool = False
+    admission: str = "bounded"
+    pressure_passes: bool = True
     _scorer: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -162,9 +172,12 @@ class EvictionConfig:
             ("compactor", self.compactor, COMPACTORS),
             ("compactor_fallback", self.compactor_fallback, COMPACTOR_FALLBACKS),
             ("lease_store", self.lease_store, LEASE_STORES),
+            ("admission", self.admission, ADMISSIONS),
         ):
             if value not in known:
                 raise ValueError(f"unknown {name} {value!r}; known: {list(known)}")
+        if not isinstance(self.pressure_passes, bool):
+            raise ValueError(f"pressure_passes must be true or false, got {self.pressure_passes!r}")
         _require_int("compactor_timeout_ms", self.compactor_timeout_ms, 1)
         self._check_compactor_transport()
         _require_int("lease_ttl_ms", self.lease_ttl_ms, 1)

@@ -18,7 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from sglang_evict.cli import _config_from_args, _use_triton_interpreter_without_gpu
+from sglang_evict.cli import _use_triton_interpreter_without_gpu
+from sglang_evict.cli_flags import config_from_args
 
 DEFAULT_PLOT = "sglang-evict-demo.png"
 
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         parse_server_args,
     )
 
-    config = _config_from_args(args)
+    config = config_from_args(args)
     model_path = ensure_engine_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     prompts = _prompts(tokenizer, args.requests, args.prompt_tokens)
@@ -193,13 +194,10 @@ def _report(runs: dict, page_size: int, args: argparse.Namespace) -> None:
 
 
 def _plot(path: Path, runs: dict, page_size: int) -> bool:
-    try:
-        import matplotlib
+    from sglang_evict.plotting import pyplot_or_none, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print('no plot: matplotlib is not installed (pip install "matplotlib")')
+    plt = pyplot_or_none()
+    if plt is None:
         return False
     figure, axis = plt.subplots(figsize=(8, 4.5))
     for name, (steps, _) in runs.items():
@@ -209,8 +207,5 @@ def _plot(path: Path, runs: dict, page_size: int) -> bool:
     axis.set_title(f"KV held per decode step, page size {page_size}")
     axis.grid(alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(plt, figure, path)
     return True

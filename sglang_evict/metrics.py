@@ -26,6 +26,8 @@ BYTES_MOVED_TOTAL = "sglang_evict:bytes_moved_total"
 PASS_DURATION_SECONDS = "sglang_evict:pass_duration_seconds"
 BUDGET_OCCUPANCY_RATIO = "sglang_evict:budget_occupancy_ratio"
 PASS_FAILURES_TOTAL = "sglang_evict:pass_failures_total"
+# Of the passes: run early because a decode step could not allocate (before retraction).
+PRESSURE_PASSES_TOTAL = "sglang_evict:pressure_passes_total"
 # With --kv-compactor grpc: 1 while the sidecar serves passes, 0 while passes fall back.
 COMPACTOR_UP = "sglang_evict:compactor_up"
 COMPACTOR_FALLBACKS_TOTAL = "sglang_evict:compactor_fallbacks_total"
@@ -86,6 +88,7 @@ class EvictionMetrics:
     pass_duration: Any
     budget_occupancy: Any
     pass_failures: Any
+    pressure_passes: Any
     compactor_up: Any
     compactor_fallbacks: Any
     lease_release_failures: Any
@@ -128,6 +131,10 @@ class EvictionMetrics:
                 registry=registry,
             ),
             pass_failures=counter(PASS_FAILURES_TOTAL, "Passes that failed and were skipped"),
+            pressure_passes=counter(
+                PRESSURE_PASSES_TOTAL,
+                "Passes run early because a decode step could not allocate (also in passes)",
+            ),
             compactor_up=Gauge(
                 COMPACTOR_UP,
                 "1 while the compactor sidecar serves passes, 0 while they fall back",
@@ -153,8 +160,9 @@ class EvictionMetrics:
             scorer=scorer,
         )
 
-    def record_batch(self, results: list, duration_s: float) -> None:
-        """Record one batched pass: its ``PassResult``s (one per request) and host time.
+    def record_batch(self, results: list, duration_s: float, *, pressure: bool = False) -> None:
+        """Record one batched pass: its ``PassResult``s (one per request) and host time;
+        ``pressure``: its passes ran early, for a step that could not allocate.
         Each request's pass counts under the scorer that ranked it and its occupancy
         against its own budget (a per-request policy); the batch's host time, slot
         copies and bytes moved under the server's scorer. Slot copies and bytes moved
@@ -168,6 +176,8 @@ class EvictionMetrics:
             scorer = result.scorer or self.scorer
             own = {"strategy": strategy, "scorer": scorer}
             self.passes.labels(**own).inc()
+            if pressure:
+                self.pressure_passes.labels(**own).inc()
             self.tokens_evicted.labels(**own).inc(result.tokens_evicted)
             self.pages_freed.labels(**own).inc(result.pages_freed)
             self.budget_occupancy.labels(scorer=scorer).observe(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from compactor_service.health import check_health, socket_target
 from compactor_service.runtime_dir import DEFAULT_POOL_DIR
+from tests import process_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,8 +51,15 @@ class CompactorProcess:
             *self.extra,
         ]
         with open(self.log, "ab") as log, open(self.stdout, "ab") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=log, env=self.env, cwd=ROOT)
-        self.wait_healthy(timeout_s)
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=log, env=self.env, cwd=ROOT, start_new_session=True
+            )
+        process_registry.register(self.process)
+        try:
+            self.wait_healthy(timeout_s)
+        except BaseException:
+            process_registry.kill_group(self.process)  # a supervisor with its child
+            raise
         return self
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:

@@ -26,6 +26,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _no_process_left_behind():
+    """Kill, with their process groups, the compactors and redis-servers a test started
+    and left running (``tests/process_registry.py``), however the test ended."""
+    from tests import process_registry
+
+    position = process_registry.mark()
+    yield
+    left = process_registry.kill_since(position)
+    if left:
+        print(f"killed processes this test left running: {left}")
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real redis-server on a loopback port for the whole test session."""
@@ -68,6 +81,14 @@ def engine_model():
     from sglang_evict.engine_model import ensure_engine_model
 
     return ensure_engine_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(engine_model):
+    """The engine model's tokenizer (built with the model)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(engine_model))
 
 
 @pytest.fixture(scope="session")

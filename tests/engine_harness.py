@@ -262,6 +262,20 @@ def greedy(new_tokens: int, **extra) -> dict:
     return {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True, **extra}
 
 
+def assert_clean_after(engine, mark) -> None:
+    """SGLang's idle check ran after the request ended (and passed), and the plugin
+    released every request's state."""
+    before = engine.plugin_state()["idle_checks"]
+    state = wait_until(
+        lambda: (s := engine.plugin_state())["idle_checks"] > before and s, timeout_s=60
+    )
+    assert state, "the scheduler never became idle"
+    assert state["tracked_requests"] == 0
+    log = engine.log_since(mark)
+    assert "memory leak detected" not in log and "Traceback" not in log
+    assert engine.alive
+
+
 def wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.2):
     """Poll ``predicate`` until it returns a truthy value (returned) or time runs out."""
     deadline = time.monotonic() + timeout_s

@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests import process_registry
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -44,7 +46,9 @@ class RedisServer:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
+        process_registry.register(self.process)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -54,6 +58,7 @@ class RedisServer:
                         return self
             except OSError:
                 time.sleep(0.05)
+        process_registry.kill_group(self.process)
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
 
     def stop(self) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCHES = Path(__file__).resolve().parents[1] / "benches"
 
@@ -72,3 +75,36 @@ def test_compactor_bench_runs_its_smoke_configuration_on_cpu():
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert [line.split()[0] for line in lines[-3:]] == ["in-process", "sidecar", "added"]
+
+
+@pytest.mark.engine
+@pytest.mark.engine_group("bench")  # its own three engines, one after another
+def test_memory_bound_bench_runs_in_the_real_engine(tmp_path):
+    """``bench_memory_bound.py``, shortened: three real engines over one pool and
+    workload; its JSON and plot are written and hold what the README table reads."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHES / "bench_memory_bound.py"),
+            "--requests", "8",
+            "--new-tokens", "96",
+            "--pool-requests", "2",
+            "--check-alone", "1",
+            "--json", str(tmp_path / "mb.json"),
+            "--plot", str(tmp_path / "mb.png"),
+            "--log-dir", str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "mb.json").read_text())
+    runs = report["runs"]
+    assert set(runs) == {"plain", "evict", "bounded"}
+    assert all(run["completed"] == 8 and run["idle_check_ok"] for run in runs.values())
+    assert report["same_tokens"] and runs["bounded"]["same_alone"]
+    assert runs["bounded"]["retractions"] == 0
+    assert runs["bounded"]["peak_running"] > runs["evict"]["peak_running"]
+    assert (tmp_path / "mb.png").stat().st_size > 0
+    assert "bounded / plain: mean running" in result.stdout

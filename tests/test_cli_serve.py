@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from compactor_service.secrets import REDIS_URL_ENV
-from sglang_evict import cli
+from sglang_evict import cli, cli_flags
 from sglang_evict.calibrate import calibrate
 from sglang_evict.scorers.triattention_stats import save_stats
 from sglang_evict.srt.server_args import CONFIG_ENV, config_from_env
@@ -124,7 +124,7 @@ def test_dry_run_refuses_exactly_what_server_startup_refuses(
 
     args = cli.build_parser().parse_known_args(["serve", "--kv-budget", "256", *eviction_flags])
     args[0].page_size = 1
-    policy = json.loads(cli._config_from_args(args[0]).to_json())
+    policy = json.loads(cli_flags.config_from_args(args[0]).to_json())
     server_verdict = _factory_verdict(parse_server_args(sglang_argv, dry_run=True), policy)
     if server_verdict is None:
         assert code == 0, err

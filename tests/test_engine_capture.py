@@ -67,13 +67,6 @@ PAGE4_SUM = capture_spec(4, capture_policy("window", compaction="repack"))
 
 
 @pytest.fixture(scope="module")
-def tokenizer(engine_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(engine_model))
-
-
-@pytest.fixture(scope="module")
 def prompts(engine_model):
     return shared_system_prompts(engine_model)
 

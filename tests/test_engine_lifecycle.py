@@ -12,10 +12,10 @@ from tests.engine_harness import (
     BUDGET,
     CADENCE,
     EngineSpec,
+    assert_clean_after,
     greedy,
     policy_fields,
     reference_outputs,
-    wait_until,
 )
 
 pytestmark = pytest.mark.engine
@@ -24,29 +24,8 @@ LONG = 4 * BUDGET
 
 
 @pytest.fixture(scope="module")
-def tokenizer(engine_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(engine_model))
-
-
-@pytest.fixture(scope="module")
 def prompt(tokenizer):
     return tokenizer("You are a helpful assistant. Tell me a story about a cache.")["input_ids"]
-
-
-def assert_clean_after(engine, mark) -> None:
-    """SGLang's idle check ran after the request ended (and passed), and the plugin
-    released every request's state."""
-    before = engine.plugin_state()["idle_checks"]
-    state = wait_until(
-        lambda: (s := engine.plugin_state())["idle_checks"] > before and s, timeout_s=60
-    )
-    assert state, "the scheduler never became idle"
-    assert state["tracked_requests"] == 0
-    log = engine.log_since(mark)
-    assert "memory leak detected" not in log and "Traceback" not in log
-    assert engine.alive
 
 
 def test_abort_mid_generation_releases_everything(engines, prompt):
@@ -116,19 +95,23 @@ def test_retraction_under_memory_pressure_releases_everything(engines, tokenizer
     a new request's growth as at most ``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`` tokens,
     and a running one's as ``max_new_tokens x new_token_ratio`` scaled by
     ``schedule_conservativeness``, unless it ignores EOS: EOS is kept off by
-    ``min_new_tokens`` instead). SGLang retracts running requests (its own
-    ``num_retractions``), re-prefills them later, and every request completes."""
+    ``min_new_tokens`` instead). Seven requests fill the 640-token pool at about 91
+    tokens each, below their budget of 100: no pass can free anything, so SGLang
+    retracts (its own ``num_retractions``). The six left outgrow the pool past their
+    budget, well before their cadence trigger (164): pressure passes compact them
+    instead of further retractions. The retracted request is re-prefilled later and
+    every request completes."""
     spec = EngineSpec.plugin(
         1,
         max_total_tokens=640,
-        kv_budget_tokens=200,
+        kv_budget_tokens=100,
         cadence_tokens=64,
         engine_args={"schedule_conservativeness": 0.01},
         env={"SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION": "16"},
     )
     engine = engines.get(spec)
-    prompts = [tokenizer(f"Request {i}: tell me a story.")["input_ids"] for i in range(4)]
-    new_tokens = 400
+    prompts = [tokenizer(f"Request {i}: tell me a story.")["input_ids"] for i in range(7)]
+    new_tokens = 300
     mark = engine.mark()
     sampling = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "temperature": 0}
     outputs = engine.generate(prompts, sampling)
@@ -137,5 +120,13 @@ def test_retraction_under_memory_pressure_releases_everything(engines, tokenizer
     retractions = sum(o["meta_info"]["num_retractions"] for o in outputs)
     assert retractions >= 1
     engines.report("lifecycle retraction", "SGLang's num_retractions", retractions)
-    assert engine.pass_records(mark)
+    records = engine.pass_records(mark)
+    pressure = [r for r in records if r.get("pressure")]
+    assert pressure, "no pressure pass ran"
+    for record in pressure:  # every pressure pass freed slots and kept the budget
+        assert record["free_slots_after"] > record["free_slots_before"]
+        assert all(r["tokens_after"] >= 100 for r in record["requests"])
+    engines.report(
+        "lifecycle retraction", "pressure passes", sum(len(r["requests"]) for r in pressure)
+    )
     assert_clean_after(engine, mark)

@@ -53,13 +53,6 @@ def server(engines):
     return engines.served(POLICY_SERVER)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(ensure_engine_model()))
-
-
 def generate(server, input_ids, new_tokens, custom_params=None, **extra) -> dict:
     params = greedy(new_tokens, **({"custom_params": custom_params} if custom_params else {}))
     return server.post("/generate", {"input_ids": input_ids, "sampling_params": params, **extra})

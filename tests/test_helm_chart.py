@@ -60,6 +60,7 @@ EVICTION_METRICS = {
     "sglang_evict:slot_copies_total",
     "sglang_evict:bytes_moved_total",
     "sglang_evict:pass_failures_total",
+    "sglang_evict:pressure_passes_total",
     "sglang_evict:lease_release_failures_total",
     "sglang_evict:pass_forced_completions_total",
     "sglang_evict:pass_duration_seconds",
@@ -544,6 +545,15 @@ def test_request_limits_reach_the_server_command_only_when_set(render):
     assert flag_value(args, "--kv-request-max-budget") == "8192"
     assert flag_value(args, "--kv-request-max-cadence") == "256"
     assert "--kv-request-allow-disable" in args
+
+
+def test_admission_values_reach_the_server_command(render):
+    args = server_argv(render("defaults"))
+    assert flag_value(args, "--kv-admission") == "bounded"
+    assert "--kv-no-pressure-passes" not in args
+    args = server_argv(render({"eviction": {"kvAdmission": "sglang", "kvPressurePasses": False}}))
+    assert flag_value(args, "--kv-admission") == "sglang"
+    assert "--kv-no-pressure-passes" in args
 
 
 def test_large_integers_are_not_rendered_in_float_notation(render):

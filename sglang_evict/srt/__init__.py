@@ -16,6 +16,8 @@ integration surface:
                     reservation                               ModelRunner
     backend         EvictingRadixCache + registered factory   RadixCache, TreeNode
     hooks           decode-step passes, decode positions      ScheduleBatch, ForwardBatch
+    admission       admission and retraction see an evicting  PrefillAdder, ScheduleBatch
+                    request's bounded KV; pressure passes     (check_decode_mem)
     server_args     policy from the environment; refusals     ServerArgs
     request_policy  per-request policy (custom_params), its   TokenizerManager, Scheduler,
                     checks, the per-request report            Req (customized_info)
@@ -78,6 +80,14 @@ def install() -> None:
     )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sglang_evict.srt.admission import (
+        HOOK_ADD_ONE_REQ,
+        HOOK_CHECK_DECODE_MEM,
+        HOOK_RUNNING_OFFSET,
+        _after_check_decode_mem,
+        _after_running_offset,
+        _around_add_one_req,
+    )
     from sglang_evict.srt.backend import radix_cache_factory
     from sglang_evict.srt.capture import (
         HOOK_ALLOC_POOL,
@@ -119,3 +129,6 @@ def install() -> None:
     HookRegistry.register(HOOK_RESOLVE_POOL, _after_resolve_memory_pool_config, HookType.AFTER)
     HookRegistry.register(HOOK_ALLOC_POOL, _after_alloc_memory_pool, HookType.AFTER)
     HookRegistry.register(HOOK_ATTENTION_FORWARD, _before_attention_forward, HookType.BEFORE)
+    HookRegistry.register(HOOK_RUNNING_OFFSET, _after_running_offset, HookType.AFTER)
+    HookRegistry.register(HOOK_ADD_ONE_REQ, _around_add_one_req, HookType.AROUND)
+    HookRegistry.register(HOOK_CHECK_DECODE_MEM, _after_check_decode_mem, HookType.AFTER)

@@ -33,7 +33,9 @@ from pathlib import Path
 
 from sglang_evict.srt.server_args import BACKEND_NAME, CONFIG_ENV
 
-DECODE_LINE = re.compile(r"Decode batch[^#]*#running-req: (\d+), #token: (\d+)")
+DECODE_LINE = re.compile(
+    r"Decode batch[^#]*#running-req: (\d+), #token: (\d+)(?:[^\n]*?#queue-req: (\d+))?"
+)
 PASS_LINE_PREFIX = "sglang-evict pass "
 REQUEST_LINE_PREFIX = "sglang-evict request "  # introspection.REQUEST_LINE_PREFIX
 _AUTHKEY_ENV = "SGLANG_EVICT_ENGINE_RUNNER_KEY"
@@ -82,10 +84,11 @@ class DecodeStep:
 
     running_requests: int
     tokens_held: int  # KV tokens in use: running requests' slots + locked radix nodes
+    queued_requests: int = 0  # waiting for admission (#queue-req)
 
 
 def parse_decode_steps(log: str) -> list[DecodeStep]:
-    return [DecodeStep(int(n), int(t)) for n, t in DECODE_LINE.findall(log)]
+    return [DecodeStep(int(n), int(t), int(q or 0)) for n, t, q in DECODE_LINE.findall(log)]
 
 
 def parse_pass_lines(log: str, prefix: str = PASS_LINE_PREFIX) -> list[dict]:

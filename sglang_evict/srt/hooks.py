@@ -60,35 +60,49 @@ def due_requests(manager: EvictionManager, reqs) -> list[tuple[int, DueRequest]]
     each under its own policy (``sglang_evict.srt.request_policy``)."""
     due = []
     for i, req in enumerate(reqs):
-        kv_len = req.kv_committed_len
         policy = policy_of(req)
-        if req.decode_batch_idx < 1 or not manager.is_due(
-            req.rid, kv_len, req.cache_protected_len, len(req.origin_input_ids), policy
+        if not passable(req) or not manager.is_due(
+            req.rid,
+            req.kv_committed_len,
+            req.cache_protected_len,
+            len(req.origin_input_ids),
+            policy,
         ):
             continue
-        if req.kv.kv_allocated_len != kv_len:
-            logger.error(
-                "sglang-evict: request %s has %d KV slots allocated for %d committed; "
-                "over-allocation (speculative decoding) is not supported: no pass",
-                req.rid,
-                req.kv.kv_allocated_len,
-                kv_len,
-            )
-            continue
-        due.append(
-            (
-                i,
-                DueRequest(
-                    rid=req.rid,
-                    req_pool_idx=req.req_pool_idx,
-                    kv_len=kv_len,
-                    num_shared=req.cache_protected_len,
-                    prompt_len=len(req.origin_input_ids),
-                    policy=policy,
-                ),
-            )
-        )
+        if supported_allocation(req):
+            due.append((i, due_request(req, policy)))
     return due
+
+
+def passable(req) -> bool:
+    """Whether a pass may compact ``req`` at all now: from its second decode step on
+    (under the overlap scheduler its prompt enters the radix tree after the first)."""
+    return req.decode_batch_idx >= 1
+
+
+def supported_allocation(req) -> bool:
+    """False (and logged) for a request holding more slots than committed tokens."""
+    if req.kv.kv_allocated_len == req.kv_committed_len:
+        return True
+    logger.error(
+        "sglang-evict: request %s has %d KV slots allocated for %d committed; "
+        "over-allocation (speculative decoding) is not supported: no pass",
+        req.rid,
+        req.kv.kv_allocated_len,
+        req.kv_committed_len,
+    )
+    return False
+
+
+def due_request(req, policy) -> DueRequest:
+    return DueRequest(
+        rid=req.rid,
+        req_pool_idx=req.req_pool_idx,
+        kv_len=req.kv_committed_len,
+        num_shared=req.cache_protected_len,
+        prompt_len=len(req.origin_input_ids),
+        policy=policy,
+    )
 
 
 def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
@@ -100,10 +114,18 @@ def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
     their full KV. Afterwards ``kv_committed_len`` and ``kv.kv_allocated_len`` of each
     compacted request equal its survivors; token lists are untouched.
     """
-    reqs = batch.reqs
-    due = due_requests(manager, reqs)
+    return run_passes(manager, batch, due_requests(manager, batch.reqs))
+
+
+def run_passes(
+    manager: EvictionManager, batch, due: list[tuple[int, DueRequest]], *, pressure: bool = False
+) -> list[PassResult]:
+    """One batched pass over ``due`` (``(batch index, DueRequest)``), then each
+    request's and the batch's KV lengths shrunk to the survivors. ``pressure``: passes
+    run early because the step cannot allocate (counted apart in the metrics)."""
     if not due:
         return []
+    reqs = batch.reqs
     manager.order_after_forward()
     log_lines = log_passes_enabled()
     free_slots_before = manager.pool.allocator.available_size() if log_lines else 0
@@ -130,7 +152,7 @@ def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
         if lengths is not None:  # a new tensor of the same device and dtype
             setattr(batch, name, lengths - _on(shrink, lengths))
     batch.seq_lens_sum = None
-    _Active.totals.add(results)
+    _Active.totals.add(results, pressure=pressure)
     if log_lines and results:  # allocator counts are host lengths: no device read
         logged = [
             {
@@ -141,10 +163,11 @@ def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
             }
             for r in results
         ]
-        log_pass(logged, free_slots_before, manager.pool.allocator.available_size())
+        free_slots_after = manager.pool.allocator.available_size()
+        log_pass(logged, free_slots_before, free_slots_after, pressure=pressure)
     if _Active.metrics is not None:
         duration_s = results[0].duration_s if results else 0.0
-        _Active.metrics.record_batch(results, duration_s)
+        _Active.metrics.record_batch(results, duration_s, pressure=pressure)
         _Active.metrics.record_manager(manager)
     return results
 

@@ -48,10 +48,14 @@ class PassTotals:
     pages_freed: int = 0
     pass_failures: int = 0
     idle_checks: int = 0  # idle-time checks passed (SGLang's own check runs just before)
+    pressure_passes: int = 0  # of ``passes``: run early, for a step that could not allocate
+    pressure_steps: int = 0  # decode steps that could not allocate with passes to run
+    pressure_steps_relieved: int = 0  # of those: the step fitted after them, no retraction
 
-    def add(self, results) -> None:
+    def add(self, results, *, pressure: bool = False) -> None:
         for result in results:
             self.passes += 1
+            self.pressure_passes += int(pressure)
             self.tokens_evicted += result.tokens_evicted
             self.pages_freed += result.pages_freed
 
@@ -60,7 +64,9 @@ def log_passes_enabled() -> bool:
     return os.environ.get(LOG_PASSES_ENV, "") not in ("", "0", "false")
 
 
-def log_pass(requests: list[dict], free_slots_before: int, free_slots_after: int) -> None:
+def log_pass(
+    requests: list[dict], free_slots_before: int, free_slots_after: int, *, pressure: bool = False
+) -> None:
     logger.info(
         "%s%s",
         PASS_LINE_PREFIX,
@@ -69,6 +75,7 @@ def log_pass(requests: list[dict], free_slots_before: int, free_slots_after: int
                 "requests": requests,
                 "free_slots_before": free_slots_before,
                 "free_slots_after": free_slots_after,
+                "pressure": pressure,
             },
             sort_keys=True,
         ),

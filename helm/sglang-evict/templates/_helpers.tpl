@@ -231,6 +231,11 @@ only, not SGLang's processes (which take their tracing set-up from their own fla
 {{- if $e.kvRequestAllowDisable }}
 - --kv-request-allow-disable
 {{- end }}
+- --kv-admission
+- {{ $e.kvAdmission | quote }}
+{{- if not $e.kvPressurePasses }}
+- --kv-no-pressure-passes
+{{- end }}
 {{- if include "sglang-evict.compactorEnabled" . }}
 - --kv-compactor
 - grpc

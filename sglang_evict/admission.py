@@ -1,0 +1,82 @@
+"""How much KV an evicting request can still take, and which requests relieve a decode
+step that cannot allocate: pure arithmetic on host ints, no SGLang, no device data.
+
+SGLang reserves for a request the rest of its ``max_new_tokens`` (clipped, and scaled
+by its ``new_token_ratio`` once running). Under a budget an evicting request never
+holds more than
+
+    peak = max(kv_now, survivors_cap + cadence) + page_size
+
+tokens, where ``survivors_cap = max(budget, lead_end + window)`` is the most a pass
+ever keeps (``sglang_evict.batch_pass.counts``: the protected leading range
+``[0, lead_end)`` and the recent window, or the budget when larger). A pass is due
+once the request holds ``cadence`` tokens more than a pass would keep, so between two
+passes it grows by less than ``cadence``; a step that finds a pass due runs it before
+the step's allocation, and the allocator hands out whole pages (the ``page_size``).
+So the tokens it may still add are ``peak - kv_now``, however long it generates:
+``growth_tokens``. ``sglang_evict.srt.admission`` puts that figure into SGLang's own
+admission arithmetic.
+
+When a decode step cannot allocate, ``choose_pressure_passes`` picks the requests to
+compact early: the most evictable first, until the pages they free cover the
+shortfall.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ADMISSIONS = ("bounded", "sglang")
+
+
+def survivors_cap(*, lead_end: int, window_tokens: int, budget: int) -> int:
+    """The most tokens a pass ever leaves a request: its budget, or its protected
+    tokens when they alone exceed it (the leading range ``[0, lead_end)`` of
+    ``sglang_evict.batch_pass.counts`` is fixed for the request's life, and the recent
+    window is ``window_tokens`` long)."""
+    return max(budget, lead_end + window_tokens)
+
+
+def growth_tokens(*, kv_len: int, survivors_cap: int, cadence: int, page_size: int) -> int:
+    """KV tokens a request holding ``kv_len`` may still add (module docstring)."""
+    if kv_len < 0 or cadence < 1 or page_size < 1:
+        raise ValueError(f"kv_len={kv_len}, cadence={cadence}, page_size={page_size}")
+    return max(survivors_cap + cadence - kv_len, 0) + page_size
+
+
+def bounded_new_tokens(sglang_new_tokens: int, growth: int) -> int:
+    """What admission counts for an evicting request's further KV: SGLang's figure of
+    its further tokens (the rest of ``max_new_tokens``, clipped), capped by what
+    eviction lets its KV grow. Not scaled by SGLang's ``new_token_ratio`` (its guess at
+    how early requests stop): the bound holds however long the request runs, so
+    counting all of it keeps admitted requests from ever outgrowing the pool."""
+    return min(sglang_new_tokens, growth)
+
+
+@dataclass(frozen=True)
+class PressureCandidate:
+    """A running request a pass could compact now (host counts)."""
+
+    index: int  # its index in the decode batch
+    tokens_evicted: int  # what a pass would evict now (> 0)
+    pages_freed: int  # what that pass would give the allocator
+
+
+def choose_pressure_passes(
+    candidates: Sequence[PressureCandidate], shortfall_tokens: int, page_size: int
+) -> list[int]:
+    """Batch indices to compact early, most evictable first, until their freed pages
+    cover ``shortfall_tokens``; all of them when even that is not enough (SGLang then
+    retracts for the rest). Ties go to the earlier batch index."""
+    if shortfall_tokens <= 0:
+        return []
+    chosen, freed_tokens = [], 0
+    for candidate in sorted(candidates, key=lambda c: (-c.tokens_evicted, c.index)):
+        if freed_tokens >= shortfall_tokens:
+            break
+        if candidate.pages_freed <= 0:
+            continue  # evicting inside its last page frees nothing now
+        chosen.append(candidate.index)
+        freed_tokens += candidate.pages_freed * page_size
+    return sorted(chosen)

@@ -1,0 +1,232 @@
+"""The eviction flags every ``sglang-evict`` subcommand shares (policy, compactor and
+leases, per-request limits, admission) and the ``EvictionConfig`` they build: one
+definition, so ``simulate``, ``demo`` and ``serve`` read a flag the same way."""
+
+from __future__ import annotations
+
+import argparse
+
+from compactor_service.health import DEFAULT_SOCKET
+from sglang_evict.admission import ADMISSIONS
+from sglang_evict.config import (
+    COMPACTION_STRATEGIES,
+    COMPACTOR_FALLBACKS,
+    COMPACTORS,
+    DEFAULT_SCORER,
+    LEASE_STORES,
+    EvictionConfig,
+)
+from sglang_evict.scorers import SCORERS, needs_calibration
+
+
+def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None = None) -> None:
+    """The eviction flags, named as ``sglang-evict serve`` takes them."""
+    parser.add_argument(
+        "--kv-budget",
+        type=int,
+        required=default_budget is None,
+        default=default_budget,
+        help="tokens kept after a pass",
+    )
+    parser.add_argument("--kv-cadence", type=int, default=128, help="tokens between passes")
+    parser.add_argument("--kv-sink-tokens", type=int, default=4, help="attention sinks kept")
+    parser.add_argument("--kv-protected-tokens", type=int, default=0, help="e.g. system prompt")
+    parser.add_argument("--kv-window", type=int, default=128, help="recent tokens always kept")
+    parser.add_argument("--kv-scorer", default=DEFAULT_SCORER, help=f"one of {sorted(SCORERS)}")
+    parser.add_argument(
+        "--kv-scorer-stats", default=None, help="triattention: stats file from calibration"
+    )
+    parser.add_argument(
+        "--kv-scorer-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a scorer parameter (repeatable), e.g. mode=last for window; VALUE is read as "
+        "JSON when it parses, else as a string",
+    )
+    parser.add_argument(
+        "--kv-query-window",
+        type=int,
+        default=EvictionConfig.__dataclass_fields__["query_window_tokens"].default,
+        help="window/rkv: each request's latest queries captured inside the attention "
+        "(memory: see README, Scorers)",
+    )
+    parser.add_argument(
+        "--kv-evict-prompt",
+        action="store_true",
+        help="let passes evict the request's unshared prompt tokens (kept out of the radix "
+        "tree: later requests do not reuse them); window/rkv score them with the last "
+        "prompt queries at the first pass",
+    )
+    parser.add_argument(
+        "--kv-compaction",
+        default="hole_fill",
+        choices=COMPACTION_STRATEGIES,
+        help="strategy of the configured policy",
+    )
+
+
+def add_compactor_flags(parser: argparse.ArgumentParser) -> None:
+    """Where passes copy KV (in-process or the sidecar) and where leases live."""
+    from compactor_service.runtime_dir import DEFAULT_POOL_DIR
+
+    parser.add_argument(
+        "--kv-compactor",
+        default="inprocess",
+        choices=COMPACTORS,
+        help="grpc: send passes to the compactor process at --kv-compactor-socket",
+    )
+    parser.add_argument("--kv-compactor-socket", default=DEFAULT_SOCKET)
+    parser.add_argument(
+        "--kv-compactor-fallback",
+        default="inprocess",
+        choices=COMPACTOR_FALLBACKS,
+        help="when the sidecar cannot serve a pass: complete it in-process, or skip "
+        "passes while it is down",
+    )
+    parser.add_argument("--kv-compactor-timeout-ms", type=int, default=1000)
+    parser.add_argument(
+        "--kv-compactor-pool-dir",
+        default=DEFAULT_POOL_DIR,
+        help="private directory of CPU pool files; the compactor's --pool-dir",
+    )
+    parser.add_argument(
+        "--kv-compactor-address", default=None, help="HOST:PORT of a TCP compactor (--tcp)"
+    )
+    parser.add_argument(
+        "--kv-compactor-tls-ca", default=None, help="CA of the TCP compactor's certificate"
+    )
+    parser.add_argument("--kv-compactor-tls-cert", default=None, help="client cert (mTLS)")
+    parser.add_argument("--kv-compactor-tls-key", default=None, help="client key (mTLS)")
+    parser.add_argument(
+        "--kv-lease-store",
+        default="inprocess",
+        choices=LEASE_STORES,
+        help="where pass leases (fencing tokens) live; redis for multi-process deployments",
+    )
+    parser.add_argument("--kv-redis-url", default=None, help="redis://HOST:PORT/DB")
+    parser.add_argument(
+        "--kv-lease-namespace",
+        default="default",
+        help="Redis key namespace; distinct per scheduler sharing one Redis (e.g. the pod name)",
+    )
+
+
+def add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """What a request may ask for itself (``custom_params["sglang_evict"]``; see
+    ``sglang_evict.request_policy``)."""
+    parser.add_argument(
+        "--kv-request-max-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="largest budget a request may ask for (default: --kv-budget, so requests "
+        "may only lower it)",
+    )
+    parser.add_argument(
+        "--kv-request-max-cadence",
+        type=int,
+        default=None,
+        metavar="N",
+        help="largest cadence a request may ask for (default: --kv-cadence)",
+    )
+    parser.add_argument(
+        "--kv-request-allow-disable",
+        action="store_true",
+        help="let a request turn eviction off for itself",
+    )
+
+
+def add_admission_flags(parser: argparse.ArgumentParser) -> None:
+    """How SGLang's scheduler counts an evicting request's KV (``sglang_evict.admission``)."""
+    parser.add_argument(
+        "--kv-admission",
+        default="bounded",
+        choices=ADMISSIONS,
+        help="bounded: admit by the KV an evicting request can still add under its budget; "
+        "sglang: SGLang's reservation for the rest of max_new_tokens",
+    )
+    parser.add_argument(
+        "--kv-no-pressure-passes",
+        action="store_true",
+        help="when a decode step cannot allocate, let SGLang retract at once instead of "
+        "compacting the most evictable requests first",
+    )
+
+
+def request_limit_fields(args: argparse.Namespace) -> dict:
+    if not hasattr(args, "kv_request_max_budget"):
+        return {}
+    return dict(
+        request_max_budget_tokens=args.kv_request_max_budget,
+        request_max_cadence_tokens=args.kv_request_max_cadence,
+        request_allow_disable=args.kv_request_allow_disable,
+    )
+
+
+def admission_fields(args: argparse.Namespace) -> dict:
+    if not hasattr(args, "kv_admission"):
+        return {}
+    return dict(admission=args.kv_admission, pressure_passes=not args.kv_no_pressure_passes)
+
+
+def compactor_fields(args: argparse.Namespace) -> dict:
+    if not hasattr(args, "kv_compactor"):
+        return {}
+    return dict(
+        compactor=args.kv_compactor,
+        compactor_socket=args.kv_compactor_socket,
+        compactor_fallback=args.kv_compactor_fallback,
+        compactor_timeout_ms=args.kv_compactor_timeout_ms,
+        shm_dir=args.kv_compactor_pool_dir,
+        compactor_address=args.kv_compactor_address,
+        compactor_tls_ca=args.kv_compactor_tls_ca,
+        compactor_tls_cert=args.kv_compactor_tls_cert,
+        compactor_tls_key=args.kv_compactor_tls_key,
+        lease_store=args.kv_lease_store,
+        redis_url=args.kv_redis_url,
+        lease_namespace=args.kv_lease_namespace,
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> EvictionConfig:
+    if args.kv_scorer_stats and not needs_calibration(args.kv_scorer):
+        raise ValueError(
+            f"--kv-scorer-stats is read by the triattention scorer only, not --kv-scorer "
+            f"{args.kv_scorer}; drop it or pass --kv-scorer triattention"
+        )
+    params = scorer_params(args.kv_scorer_param)
+    if args.kv_scorer_stats:
+        params["stats_path"] = args.kv_scorer_stats
+    return EvictionConfig(
+        kv_budget_tokens=args.kv_budget,
+        cadence_tokens=args.kv_cadence,
+        sink_tokens=args.kv_sink_tokens,
+        protected_tokens=args.kv_protected_tokens,
+        window_tokens=args.kv_window,
+        scorer=args.kv_scorer,
+        scorer_params=params,
+        compaction=args.kv_compaction,
+        page_size=args.page_size,
+        query_window_tokens=args.kv_query_window,
+        evict_prompt=args.kv_evict_prompt,
+        **compactor_fields(args),
+        **request_limit_fields(args),
+        **admission_fields(args),
+    )
+
+
+def scorer_params(pairs: list[str]) -> dict:
+    """``--kv-scorer-param KEY=VALUE`` flags as a dict (VALUE as JSON when it parses)."""
+    import json
+
+    params = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--kv-scorer-param {pair!r}: expected KEY=VALUE, e.g. mode=last")
+        try:
+            params[key] = json.loads(value)
+        except ValueError:
+            params[key] = value
+    return params

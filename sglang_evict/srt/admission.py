@@ -1,0 +1,180 @@
+"""SGLang's admission and retraction see an evicting request's bounded KV.
+
+SGLang 0.5.17's ``PrefillAdder`` (``managers/schedule_policy.py``) admits a waiting
+request when the pool's free and evictable tokens, less what running and already
+admitted requests may still take, cover its prompt plus ``min(max_new_tokens,
+CLIP_MAX_NEW_TOKENS)`` plus a page; a running request may still take
+``min(max_new_tokens - generated, CLIP) x new_token_ratio``. Under a budget an
+evicting request's KV never grows past ``sglang_evict.admission.growth_tokens``, so
+with ``--kv-admission bounded`` (the default) both figures are capped by it:
+
+* ``PrefillAdder._get_running_request_total_token_offset`` (AFTER hook): a running
+  evicting request's figure becomes ``min(rest of max_new_tokens (clipped), growth)``,
+  unscaled by ``new_token_ratio``: SGLang's ratio guesses how early requests stop, and
+  the bound needs no guess, so admitted evicting requests never outgrow the pool
+  (``sglang_evict.admission.bounded_new_tokens``).
+* ``PrefillAdder.add_one_req`` (AROUND hook): the adder's ``rem_total_token_offset``
+  is credited with ``SGLang's estimate - bounded`` for the admission checks, and once
+  the request is admitted whole (not a first chunk) the reservation SGLang added for
+  it (``_update_prefill_budget``: prompt + ``min(max_new_tokens, CLIP)`` + a page)
+  is corrected by the same kind of credit, so it holds prompt + bounded growth + a
+  page. A request not admitted, or admitted as a first chunk (SGLang reserves no
+  generation for it), gets its credit back.
+
+A request that does not evict (its policy turns eviction off, or plain SGLang) keeps
+SGLang's arithmetic. No copy of the scheduler: the figures SGLang computes are
+replaced, the decisions stay SGLang's.
+
+Pressure relief (``ScheduleBatch.check_decode_mem``, AFTER hook): when a decode step
+cannot allocate (``Scheduler.update_running_batch`` is about to retract), passes run at
+once on the evicting requests with the most evictable tokens until the freed pages
+cover the step (``sglang_evict.admission.choose_pressure_passes``), under the same
+protection rules as every pass (the counts of ``sglang_evict.batch_pass.counts``: the
+budget, sinks, protected prompt, window and shared prefix are kept). SGLang retracts
+only if that cannot free enough; ``retract_decode``'s own checks re-run it for the
+requests still in the batch. These passes count as ``pressure`` passes
+(``sglang_evict:pressure_passes_total``, the pass log's ``"pressure": true``).
+Ordering is that of every pass (``sglang_evict.srt.hooks``): ``check_decode_mem`` runs
+on the scheduler's stream just before ``prepare_for_decode``, and the pass waits, on
+the device, for the in-flight forward.
+"""
+
+from __future__ import annotations
+
+from sglang_evict.admission import (
+    PressureCandidate,
+    bounded_new_tokens,
+    choose_pressure_passes,
+    growth_tokens,
+    survivors_cap,
+)
+from sglang_evict.srt.backend import EvictingRadixCache, _Active
+from sglang_evict.srt.hooks import due_request, passable, run_passes, supported_allocation
+from sglang_evict.srt.request_policy import policy_of
+
+HOOK_RUNNING_OFFSET = (
+    "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset"
+)
+HOOK_ADD_ONE_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
+HOOK_CHECK_DECODE_MEM = "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem"
+
+
+def _bounded_manager(tree_cache):
+    """The eviction manager when ``tree_cache`` is the plugin's and admission is bounded."""
+    if not isinstance(tree_cache, EvictingRadixCache) or tree_cache.disable:
+        return None
+    manager = tree_cache.evictor
+    return manager if manager.config.admission == "bounded" else None
+
+
+def request_growth(manager, req, *, kv_len: int, num_shared: int) -> int | None:
+    """KV tokens ``req`` may still add holding ``kv_len`` (``growth_tokens``), or None
+    when it does not evict."""
+    policy = policy_of(req) or manager.default_policy
+    if not policy.enabled:
+        return None
+    config = manager.config
+    # The pass counts' leading range: sinks + protected, the prompt (unless evictable)
+    # and the shared prefix in whole pages.
+    counts = manager.counts(req.rid, kv_len, num_shared, len(req.origin_input_ids), policy)
+    cap = survivors_cap(
+        lead_end=counts.lead_end, window_tokens=config.window_tokens, budget=policy.kv_budget_tokens
+    )
+    return growth_tokens(
+        kv_len=kv_len, survivors_cap=cap, cadence=policy.cadence_tokens, page_size=config.page_size
+    )
+
+
+def _after_running_offset(result, adder, req, *args, **kwargs):
+    manager = _bounded_manager(adder.tree_cache)
+    if manager is None:
+        return result
+    growth = request_growth(
+        manager, req, kv_len=req.kv_committed_len, num_shared=req.cache_protected_len
+    )
+    if growth is None:
+        return result
+    rest = max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
+    return bounded_new_tokens(min(rest, _clip_max_new_tokens()), growth)
+
+
+def _around_add_one_req(original, adder, req, *args, **kwargs):
+    manager = _bounded_manager(adder.tree_cache)
+    growth = None
+    if manager is not None:
+        fill_len = len(req.full_untruncated_fill_ids)
+        growth = request_growth(manager, req, kv_len=fill_len, num_shared=len(req.prefix_indices))
+    if growth is None:
+        return original(adder, req, *args, **kwargs)
+    clip = _clip_max_new_tokens()
+    max_new = req.sampling_params.max_new_tokens
+    # What SGLang's checks use (the rest of max_new_tokens) and what it reserves once
+    # the request is admitted whole (all of it), each capped by the bounded growth.
+    checked = min(max(max_new - len(req.output_ids), 0), clip)
+    reserved = min(max_new, clip)
+    check_credit = checked - bounded_new_tokens(checked, growth)
+    reserve_credit = reserved - bounded_new_tokens(reserved, growth)
+    adder.rem_total_token_offset -= check_credit
+    try:
+        return original(adder, req, *args, **kwargs)
+    finally:
+        admitted_whole = adder.new_chunked_req is not req and any(
+            r is req for r in adder.can_run_list
+        )
+        adder.rem_total_token_offset += check_credit - (reserve_credit if admitted_whole else 0)
+
+
+def _clip_max_new_tokens() -> int:
+    from sglang.srt.managers import schedule_policy
+
+    return schedule_policy.CLIP_MAX_NEW_TOKENS
+
+
+def relieve_pressure(manager, batch, selected_indices=None) -> list:
+    """Pressure passes for a decode step that cannot allocate: the most evictable
+    requests of ``batch`` (of ``selected_indices``, when given) compacted now, until
+    the pages they free cover the step's shortfall. Returns their ``PassResult``s."""
+    allocator = manager.pool.allocator
+    shortfall = batch.new_tokens_required_next_decode(selected_indices) - allocator.available_size()
+    indices = range(len(batch.reqs)) if selected_indices is None else selected_indices
+    candidates, due = [], {}
+    for i in indices:
+        req = batch.reqs[i]
+        policy = policy_of(req)
+        if not passable(req) or not (policy or manager.default_policy).enabled:
+            continue
+        counts = manager.counts(
+            req.rid,
+            req.kv_committed_len,
+            req.cache_protected_len,
+            len(req.origin_input_ids),
+            policy,
+        )
+        if counts.tokens_evicted > 0 and supported_allocation(req):
+            candidates.append(PressureCandidate(i, counts.tokens_evicted, counts.pages_freed))
+            due[i] = due_request(req, policy)
+    chosen = choose_pressure_passes(candidates, shortfall, manager.config.page_size)
+    return run_passes(manager, batch, [(i, due[i]) for i in chosen], pressure=True)
+
+
+def _after_check_decode_mem(fits, batch, *args, **kwargs):
+    if fits:
+        return fits
+    cache = batch.tree_cache
+    if (
+        not isinstance(cache, EvictingRadixCache)
+        or cache.disable
+        or not cache.evictor.config.pressure_passes
+        or not batch.spec_algorithm.is_none()
+    ):
+        return fits
+    selected = args[0] if args else kwargs.get("selected_indices")
+    manager = cache.evictor
+    if not relieve_pressure(manager, batch, selected):
+        return fits
+    _Active.totals.pressure_steps += 1
+    fits = manager.pool.allocator.available_size() >= batch.new_tokens_required_next_decode(
+        selected
+    )
+    _Active.totals.pressure_steps_relieved += int(fits)
+    return fits
