@@ -62,7 +62,8 @@ def generate(
         captured: list[Tensor] | None = [] if capture else None
         logits = model.forward(tokens, positions, *rest, capture_queries=captured, **kwargs)
         if captured:
-            manager.record_queries(req.req_pool_idx, torch.stack(captured), positions)
+            row = driver.kv(req).req_pool_idx
+            manager.record_queries(row, torch.stack(captured), positions)
         return logits
 
     pending = sorted(requests, key=lambda r: r.arrival_step)

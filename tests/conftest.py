@@ -60,6 +60,39 @@ def pytest_configure(config):
         "engine_group(name): an engine test sharing no engine with the others (its own "
         "xdist group)",
     )
+    config.addinivalue_line(
+        "markers",
+        "sglang: exercises SGLang's own classes (memory classes, scheduler pieces, its "
+        "release's packaging); CI runs these and the engine tests on every supported "
+        "release (`-m 'sglang or engine'`)",
+    )
+
+
+# Test modules that drive SGLang's own code (besides the engine tests): marked `sglang`.
+SGLANG_FACING = {
+    "test_admission.py",
+    "test_batch_pass_hooks.py",
+    "test_calibrate.py",
+    "test_cli_bad_input.py",
+    "test_cli_default_scorer.py",
+    "test_cli_install.py",
+    "test_cli_serve.py",
+    "test_compactor_faults.py",
+    "test_evictor.py",
+    "test_frontend_policy.py",
+    "test_import_rule.py",
+    "test_metrics_endpoint.py",
+    "test_pass_faults.py",
+    "test_plugin.py",
+    "test_quality.py",
+    "test_query_capture.py",
+    "test_query_scoring_passes.py",
+    "test_reference_loop.py",
+    "test_request_policy.py",
+    "test_request_policy_sglang.py",
+    "test_sglang_mechanism.py",
+    "test_tensor_parallel.py",
+}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -67,8 +100,10 @@ def pytest_collection_modifyitems(config, items):
     """Engine tests run in one xdist worker (``--dist loadgroup``): they share the
     session's engines, and two workers each starting their own would double the cost.
     A test starting engines of its own (the demo: ``engine_group`` marker) runs apart,
-    beside them."""
+    beside them. Modules in ``SGLANG_FACING`` are marked ``sglang``."""
     for item in items:
+        if item.path.name in SGLANG_FACING:
+            item.add_marker(pytest.mark.sglang)
         if item.get_closest_marker("engine") is not None:
             own = item.get_closest_marker("engine_group")
             group = own.args[0] if own is not None else "engine"

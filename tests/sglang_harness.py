@@ -26,6 +26,7 @@ from sglang_evict.config import EvictionConfig
 from sglang_evict.srt.backend import EvictingRadixCache
 from sglang_evict.srt.cpu_driver import MemoryDriver
 from sglang_evict.srt.pools import free_slots
+from sglang_evict.srt.versioned import advance_after_decode_alloc, req_kv
 
 NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 2, 8
 
@@ -48,9 +49,7 @@ def finish_decode_step(batch, reqs: list) -> None:
     from sglang.srt.mem_cache.allocation import alloc_for_decode
 
     alloc_for_decode(batch, token_per_req=1)
-    for req in reqs:
-        req.decode_batch_idx += 1
-        req.kv_committed_len += 1
+    advance_after_decode_alloc(reqs)
 
 
 def sglang_checker(driver: MemoryDriver) -> SchedulerInvariantChecker:
@@ -85,16 +84,31 @@ def sglang_checker(driver: MemoryDriver) -> SchedulerInvariantChecker:
         get_last_batch=running_batch,
         get_running_batch=running_batch,
     )
-    observer = SchedulerPoolStatsObserver(
-        session_controller=None, hisparse_coordinator=None, enable_hisparse=False, **common
+    observer = build_component(
+        SchedulerPoolStatsObserver,
+        session_controller=None,
+        hisparse_coordinator=None,
+        enable_hisparse=False,
+        **common,
     )
-    return SchedulerInvariantChecker(
+    return build_component(
+        SchedulerInvariantChecker,
         disaggregation_mode=DisaggregationMode.NULL,
         page_size=driver.page_size,
         server_args=get_server_args(),
         pool_stats_observer=observer,
+        scheduler_stage_metrics=None,  # 0.5.23; the busy and idle checks do not read it
         **common,
     )
+
+
+def build_component(cls, **fields):
+    """A scheduler component (a dataclass) from the fields its release declares: 0.5.17
+    and 0.5.23 differ in a few (``versioned`` lists the plugin's own differences)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{name: value for name, value in fields.items() if name in names})
 
 
 @dataclass
@@ -186,7 +200,7 @@ class Engine:
         tree_set = set(torch.cat(tree).tolist()) if tree else set()
         for req in self.running.values():
             if isinstance(self.cache, EvictingRadixCache):
-                self.cache.evictor.check_request(req.rid, req.kv_committed_len)
+                self.cache.evictor.check_request(req.rid, req_kv(req).kv_committed_len)
             row = self.row(req)
             tokens = list(req.origin_input_ids) + list(req.output_ids)
             positions = self.driver.positions(req)
@@ -194,7 +208,7 @@ class Engine:
             k0 = self.kv.k_buffer[0][row]
             assert torch.equal(k0[:, 0, 0], positions.float()), f"{req.rid}: KV position mismatch"
             assert torch.equal(k0[:, 0, 1], expected_token), f"{req.rid}: KV token mismatch"
-            private = row[req.cache_protected_len :]
+            private = row[req_kv(req).cache_protected_len :]
             if p > 1 and row.numel():  # the request owns whole pages from its private start
                 pages = torch.unique(private // p)
                 private = (pages[:, None] * p + torch.arange(p)).reshape(-1)

@@ -29,6 +29,7 @@ from sglang_evict.srt import admission as srt_admission
 from sglang_evict.srt.backend import _Active
 from sglang_evict.srt.introspection import PassTotals
 from sglang_evict.srt.request_policy import attach_policy
+from sglang_evict.srt.versioned import admission_offset, req_kv
 from tests.sglang_harness import Engine
 
 BUDGET, CADENCE, SINKS, WINDOW = 64, 16, 4, 16
@@ -198,7 +199,7 @@ def test_a_running_evicting_request_reserves_its_bounded_growth(hooked, page_siz
         min(
             min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS),
             growth_tokens(
-                kv_len=r.kv_committed_len,
+                kv_len=req_kv(r).kv_committed_len,
                 survivors_cap=BUDGET,
                 cadence=CADENCE,
                 page_size=page_size,
@@ -221,17 +222,17 @@ def test_a_new_request_is_admitted_by_its_bounded_growth_and_reserves_exactly_th
     assert add.add_one_req(req, False, None) == AddReqResult.CONTINUE
     assert [r.rid for r in add.can_run_list] == ["new"]
     # _update_prefill_budget: prompt + (bounded) new tokens + one page of overhead.
-    assert add.rem_total_token_offset == 20 + growth + 1
+    assert admission_offset(add) == 20 + growth + 1
     add.tree_cache.dec_lock_ref(req.last_node)
 
 
 def test_a_refused_request_leaves_the_adder_as_it_was(hooked):
     engine = Engine(page_size=1, config=policy(), num_tokens=64)
     add = adder(engine, [])
-    before = add.rem_total_token_offset
+    before = admission_offset(add)
     req = waiting(engine, "big", prompt(3, 60), max_new_tokens=2000)
     assert add.add_one_req(req, False, None) == AddReqResult.NO_TOKEN
-    assert add.rem_total_token_offset == before and add.can_run_list == []
+    assert admission_offset(add) == before and add.can_run_list == []
 
 
 def test_a_first_chunk_reserves_no_generation_as_in_sglang(hooked):
@@ -240,7 +241,7 @@ def test_a_first_chunk_reserves_no_generation_as_in_sglang(hooked):
     add = PrefillAdder(1, engine.cache, engine.allocator, None, RATIO, 16384, rem_chunk_tokens=128)
     add.add_one_req(req, False, None)
     assert add.new_chunked_req is req
-    assert add.rem_total_token_offset == 128 + 1  # the chunk and a page, as SGLang reserves
+    assert admission_offset(add) == 128 + 1  # the chunk and a page, as SGLang reserves
     add.tree_cache.dec_lock_ref(req.last_node)
 
 
@@ -261,10 +262,10 @@ def test_requests_that_do_not_evict_keep_sglangs_arithmetic(hooked, config, cust
         min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * RATIO
         for r in reqs
     )
-    assert add.rem_total_token_offset == sglang_offsets
+    assert admission_offset(add) == sglang_offsets
     req = waiting(engine, "new", prompt(7), max_new_tokens=900, **custom)
     assert add.add_one_req(req, False, None) == AddReqResult.CONTINUE
-    assert add.rem_total_token_offset == sglang_offsets + 20 + 900 + 1
+    assert admission_offset(add) == sglang_offsets + 20 + 900 + 1
 
 
 def test_a_request_budget_counts_in_its_reservation(hooked):
@@ -273,7 +274,7 @@ def test_a_request_budget_counts_in_its_reservation(hooked):
     req = waiting(engine, "wide", prompt(5), max_new_tokens=3000, kv_budget_tokens=200)
     assert add.add_one_req(req, False, None) == AddReqResult.CONTINUE
     growth = growth_tokens(kv_len=20, survivors_cap=200, cadence=CADENCE, page_size=1)
-    assert add.rem_total_token_offset == 20 + growth + 1
+    assert admission_offset(add) == 20 + growth + 1
     add.tree_cache.dec_lock_ref(req.last_node)
 
 
@@ -305,9 +306,9 @@ def test_a_step_that_cannot_allocate_compacts_the_most_evictable_request_first(h
     assert totals.pressure_passes == totals.passes >= 1
     assert totals.pressure_steps == totals.pressure_steps_relieved == 1
     compacted = [r for r in reqs if engine.cache.evictor.position_offset(r.rid)]
-    longest = max(reqs, key=lambda r: r.kv_committed_len + engine.position_offset(r))
+    longest = max(reqs, key=lambda r: req_kv(r).kv_committed_len + engine.position_offset(r))
     assert longest in compacted
-    assert all(r.kv_committed_len == BUDGET for r in compacted)
+    assert all(req_kv(r).kv_committed_len == BUDGET for r in compacted)
     assert engine.free_token_count() > free_before
     engine.check()
     for more in range(40):

@@ -22,6 +22,7 @@ from sglang_evict.srt.hooks import (
     _before_prepare_for_decode,
     compact_decode_batch,
 )
+from sglang_evict.srt.versioned import req_kv
 from tests.sglang_harness import Engine, finish_decode_step
 
 
@@ -49,7 +50,10 @@ def test_decode_step_order_the_hooks_rely_on(monkeypatch):
     for step in range(40):  # a reaches 80 = budget + cadence tokens: due next step
         engine.decode_batch([a, b], [1000 + step, 2000 + step])
     engine.check()
-    assert not engine.pass_log and (a.kv_committed_len, b.kv_committed_len) == (80, 43)
+    assert not engine.pass_log and (req_kv(a).kv_committed_len, req_kv(b).kv_committed_len) == (
+        80,
+        43,
+    )
     manager = engine.cache.evictor
     events = []
     monkeypatch.setattr(manager, "order_after_forward", lambda: events.append("wait-forward"))
@@ -78,7 +82,7 @@ def test_decode_step_order_the_hooks_rely_on(monkeypatch):
     assert events == ["wait-forward", ("pass", ["a"], [80]), ("alloc", [64, 43], [64, 43])]
     assert in_flight_seq_lens.tolist() == [80, 43]  # replaced, never edited in place
     assert batch.seq_lens.tolist() == [65, 44] == batch.seq_lens_cpu.tolist()
-    assert (a.kv_committed_len, a.kv.kv_allocated_len) == (65, 65)
+    assert (req_kv(a).kv_committed_len, req_kv(a).kv_allocated_len) == (65, 65)
     assert int(engine.row(a)[64]) == int(batch.out_cache_loc[0])  # right after survivors
     # ForwardBatch.init_new copies these tensors; the AFTER hook adds the offsets.
     monkeypatch.setattr(_Active, "manager", manager)
@@ -174,7 +178,7 @@ def test_the_pass_never_synchronises_the_host_on_a_gpu(compaction, scorer):
             finish_decode_step(batch, reqs)
         assert results, "no pass ran"
         for req in reqs:
-            manager.check_request(req.rid, req.kv_committed_len)
+            manager.check_request(req.rid, req_kv(req).kv_committed_len)
         kept[device] = [sorted(driver.positions(r).tolist()) for r in reqs]
     if scorer == "streaming":
         assert kept["cuda"] == kept["cpu"]

@@ -109,8 +109,9 @@ def test_demo_runs_sglangs_engine_with_and_without_eviction_and_plots_kv_held(ca
     held = int(re.search(r"^ +with eviction +(\d+)", out, re.M).group(1))
     full = int(re.search(r"^ +without \(plain SGLang\) +(\d+)", out, re.M).group(1))
     assert held < full
-    # Each engine's log is SGLang's own; the numbers come from its #token lines.
-    assert (tmp_path / "demo-evicting.log").read_text().count("Decode batch") >= 160
+    # Each engine's log is SGLang's own; the numbers come from its #token lines: one per
+    # decode step, and the first of the 160 tokens comes out of the prefill.
+    assert (tmp_path / "demo-evicting.log").read_text().count("Decode batch") >= 159
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
 
 

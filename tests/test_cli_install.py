@@ -1,6 +1,8 @@
-"""Installing: one torch, the one SGLang 0.5.17 requires.
+"""Installing: one torch, the one the installed SGLang release requires (0.5.17:
+extra ``sglang``, ``dev``, constraints.txt; 0.5.23: ``sglang0523``, ``dev0523``,
+constraints-sglang-0.5.23.txt).
 
-The pins are read from pyproject.toml and constraints.txt and compared with SGLang's
+The pins are read from pyproject.toml and the constraints file and compared with SGLang's
 installed metadata. pip's resolver is then run for real, offline, on a local index of
 tiny stand-in wheels that carry the project's actual torch/SGLang requirement strings:
 the documented install (`-c constraints.txt`) must fetch exactly one torch.
@@ -39,11 +41,35 @@ def sglang_torch_pin() -> str:
     return requirement(importlib.metadata.requires("sglang"), "torch").split(";")[0].strip()
 
 
-@pytest.mark.parametrize("extra", ["sglang", "dev"])
-def test_extras_pin_the_torch_sglangs_metadata_requires(extra):
+# release -> (its extra, its dev extra, its constraints file)
+RELEASES = {
+    "0.5.17": ("sglang", "dev", "constraints.txt"),
+    "0.5.23": ("sglang0523", "dev0523", "constraints-sglang-0.5.23.txt"),
+}
+INSTALLED = importlib.metadata.version("sglang")
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_each_release_has_an_extra_a_dev_extra_and_a_constraints_file(release):
+    extra, dev, constraints = RELEASES[release]
+    extras = pyproject()["project"]["optional-dependencies"]
+    assert requirement(extras[extra], "sglang") == f"sglang=={release}"
+    assert extras[dev] == [f"sglang-evict[{extra},test]"]
+    assert constraint_lines(constraints) == [requirement(extras[extra], "torch")]
+
+
+def test_the_installed_releases_extra_pins_the_torch_its_metadata_requires():
+    extra, _, _ = RELEASES[INSTALLED]
     extras = pyproject()["project"]["optional-dependencies"]
     assert requirement(extras[extra], "torch") == sglang_torch_pin()
-    assert requirement(extras[extra], "sglang") == "sglang==0.5.17"
+
+
+def constraint_lines(name: str) -> list[str]:
+    return [
+        line.strip()
+        for line in (ROOT / name).read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
 
 
 def test_base_dependency_leaves_torch_open_for_later_sglang_releases():
@@ -52,12 +78,8 @@ def test_base_dependency_leaves_torch_open_for_later_sglang_releases():
 
 
 def test_constraints_file_pins_the_same_torch():
-    lines = [
-        line.strip()
-        for line in (ROOT / "constraints.txt").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
-    assert lines == [sglang_torch_pin()]
+    _, _, constraints = RELEASES[INSTALLED]
+    assert constraint_lines(constraints) == [sglang_torch_pin()]
 
 
 def _write_wheel(folder: Path, name: str, version: str, requires=(), extras=None) -> None:
@@ -88,20 +110,25 @@ def _write_wheel(folder: Path, name: str, version: str, requires=(), extras=None
 
 def test_documented_dev_install_fetches_one_torch(tmp_path):
     """pip --dry-run over stand-ins: sglang-evict with the project's own torch/SGLang
-    requirements, SGLang 0.5.17 with its real torch pin, and two torch releases (the
-    pinned one and a newer one that `torch>=2.4` alone would pick)."""
+    requirements (its dev extra naming its SGLang extra, as pyproject.toml does), the
+    installed SGLang release with its real torch pin, and two torch releases (the pinned
+    one and a newer one that `torch>=2.4` alone would pick)."""
     project = pyproject()["project"]
+    extra, dev, constraints = RELEASES[INSTALLED]
     pinned = sglang_torch_pin().split("==")[1]
     for version in (pinned, "99.0.0"):
         _write_wheel(tmp_path, "torch", version)
-    _write_wheel(tmp_path, "sglang", "0.5.17", [sglang_torch_pin()])
-    dev = project["optional-dependencies"]["dev"]
+    _write_wheel(tmp_path, "sglang", INSTALLED, [sglang_torch_pin()])
+    extras = project["optional-dependencies"]
     _write_wheel(
         tmp_path,
         "sglang-evict",
         project["version"],
         [requirement(project["dependencies"], "torch")],
-        {"dev": [requirement(dev, "sglang"), requirement(dev, "torch")]},
+        {
+            extra: [requirement(extras[extra], "sglang"), requirement(extras[extra], "torch")],
+            dev: extras[dev],
+        },
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env["PIP_CONFIG_FILE"] = os.devnull  # this machine's index settings play no part
@@ -117,8 +144,8 @@ def test_documented_dev_install_fetches_one_torch(tmp_path):
             "--find-links",
             str(tmp_path),
             "-c",
-            str(ROOT / "constraints.txt"),
-            "sglang-evict[dev]",
+            str(ROOT / constraints),
+            f"sglang-evict[{dev}]",
             "-v",
         ],
         capture_output=True,

@@ -8,6 +8,7 @@ import torch
 
 from sglang_evict.config import EvictionConfig
 from sglang_evict.evictor import DueRequest
+from sglang_evict.srt.versioned import req_kv
 from tests.sglang_harness import Engine
 
 
@@ -21,9 +22,11 @@ def test_query_reading_scorer_without_a_query_ring_fails_clearly_and_changes_not
     for step in range(60):  # every due pass fails before anything moves; decoding goes on
         engine.decode_step(req, step)
         engine.check()
-    assert not engine.pass_log and req.kv_committed_len == 68
+    assert not engine.pass_log and req_kv(req).kv_committed_len == 68
     free_before = engine.free_token_count()
-    due = DueRequest("a", req.req_pool_idx, 68, num_shared=req.cache_protected_len, prompt_len=8)
+    due = DueRequest(
+        "a", req_kv(req).req_pool_idx, 68, num_shared=req_kv(req).cache_protected_len, prompt_len=8
+    )
     with pytest.raises(ValueError, match="needs the requests' captured queries, but no query ring"):
         manager.run_batch_pass([due])
     assert engine.free_token_count() == free_before and "a" not in manager.states
@@ -39,8 +42,8 @@ def test_forget_drops_state_and_position_offset():
     for step in range(40):
         engine.decode_step(req, step)
     manager = engine.cache.evictor
-    assert manager.position_offset("a") > 0 and manager.offsets_by_row[req.req_pool_idx] > 0
-    row = req.req_pool_idx
+    assert manager.position_offset("a") > 0 and manager.offsets_by_row[req_kv(req).req_pool_idx] > 0
+    row = req_kv(req).req_pool_idx
     engine.finish(req)  # finishing goes through the cache, which forgets the request
     assert "a" not in manager.states
     assert manager.offsets_by_row[row] == 0

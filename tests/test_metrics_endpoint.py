@@ -22,11 +22,12 @@ SCHEDULER = textwrap.dedent(
     from sglang.srt.server_args import ServerArgs
     from sglang_evict.srt.backend import radix_cache_factory
     from sglang_evict.srt.cpu_driver import MemoryDriver
+    from tests.sglang_harness import build_component
 
     driver = MemoryDriver(page_size=16, num_tokens=2048, num_layers=2, num_kv_heads=2,
                           head_dim=8)
     server_args = ServerArgs(model_path="dummy", device="cpu", enable_metrics=True)
-    driver.cache = radix_cache_factory(TreeCacheBuildContext(
+    driver.cache = radix_cache_factory(build_component(TreeCacheBuildContext,
         server_args=server_args, params=driver.cache_params, is_hybrid_swa=False,
         is_hybrid_ssm=False, enable_hierarchical_cache=False, disable_radix_cache=False,
         effective_chunked_prefill_size=None, tp_worker=None, model_config=None, tp_size=1,

@@ -22,6 +22,7 @@ import torch
 
 from sglang_evict.reference_loop import GenerationRequest, generate
 from sglang_evict.srt.cpu_driver import MemoryDriver
+from sglang_evict.srt.versioned import req_kv
 from tests.compactor_process import CompactorProcess
 from tests.fault_driver import fault_model, make_driver, plain_driver
 from tests.redis_server import RedisServer
@@ -154,7 +155,7 @@ def test_redis_killed_around_passes_corrupts_nothing_and_frees_no_page_twice(
             sglang_checker(driver).self_check_during_busy()
             driver.cache.check_invariants()
             for req in driver.running.values():
-                manager.check_request(req.rid, req.kv_committed_len)
+                manager.check_request(req.rid, req_kv(req).kv_committed_len)
             witness.check()
             if compactor_kills and not sidecar.sidecar_up:
                 process.wait_healthy()

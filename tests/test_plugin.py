@@ -21,11 +21,17 @@ from sglang_evict.config import EvictionConfig
 from sglang_evict.metrics import EvictionMetrics
 from sglang_evict.reference_model import build_tiny_llama
 from sglang_evict.scorers.triattention_stats import save_stats
-from sglang_evict.srt import SGLANG_VERSION_TARGET, check_sglang_version, version_problem
+from sglang_evict.srt import (
+    SGLANG_VERSION_TARGET,
+    SUPPORTED_SGLANG_VERSIONS,
+    check_sglang_version,
+    version_problem,
+)
 from sglang_evict.srt.backend import EvictingRadixCache, _Active, radix_cache_factory
 from sglang_evict.srt.hooks import _after_forward_batch_init_new
 from sglang_evict.srt.server_args import CONFIG_ENV, config_from_env, startup_problems
-from tests.sglang_harness import HEAD_DIM, NUM_HEADS, NUM_LAYERS, Engine
+from sglang_evict.srt.versioned import req_kv
+from tests.sglang_harness import HEAD_DIM, NUM_HEADS, NUM_LAYERS, Engine, build_component
 
 
 def test_entry_point_registers_backend_and_hooks_in_a_fresh_sglang_process():
@@ -63,12 +69,14 @@ def test_importing_the_plugin_module_has_no_side_effects():
 
 
 def test_other_sglang_versions_are_refused_with_the_fix():
-    problem = version_problem("0.5.23")
-    assert f"written against SGLang {SGLANG_VERSION_TARGET}, found 0.5.23" in problem
-    assert f'"sglang=={SGLANG_VERSION_TARGET}"' in problem
+    for release in ("0.5.21", "0.5.16", "0.6.0"):
+        problem = version_problem(release)
+        assert f"supports SGLang 0.5.17 or 0.5.23, found {release}" in problem
+        assert f'"sglang=={SGLANG_VERSION_TARGET}"' in problem
     assert "not installed" in version_problem(None)
-    assert version_problem(SGLANG_VERSION_TARGET) is None
-    check_sglang_version()  # the installed release is the targeted one
+    for release in SUPPORTED_SGLANG_VERSIONS:
+        assert version_problem(release) is None
+    check_sglang_version()  # the installed release is a supported one
 
 
 @pytest.mark.parametrize(
@@ -134,7 +142,7 @@ def build_context(engine: Engine, server_args: ServerArgs, **overrides) -> TreeC
         tp_group=None,
     )
     values.update(overrides)
-    return TreeCacheBuildContext(**values)
+    return build_component(TreeCacheBuildContext, **values)
 
 
 def test_backend_factory_builds_the_evicting_cache(monkeypatch):
@@ -247,12 +255,12 @@ def test_forward_batch_hook_adds_each_requests_position_offset(monkeypatch):
     offset = engine.position_offset(req)
     assert offset > 0
     monkeypatch.setattr(_Active, "manager", engine.cache.evictor)
-    seq_lens = torch.tensor([req.kv_committed_len + 1, 5])
+    seq_lens = torch.tensor([req_kv(req).kv_committed_len + 1, 5])
     forward_batch = ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         batch_size=2,
         input_ids=torch.zeros(2, dtype=torch.int64),
-        req_pool_indices=torch.tensor([req.req_pool_idx, 7]),
+        req_pool_indices=torch.tensor([req_kv(req).req_pool_idx, 7]),
         seq_lens=seq_lens,
         out_cache_loc=torch.zeros(2, dtype=torch.int64),
         seq_lens_sum=int(seq_lens.sum()),
@@ -319,7 +327,7 @@ def test_decode_hook_replaces_batch_lengths_keeping_their_dtypes():
     reqs = [engine.add_request("a", list(range(40))), engine.add_request("b", [1, 2, 3])]
     for step in range(40):
         engine.decode_batch(reqs, [step, step])
-    before = [r.kv_committed_len for r in reqs]  # a is at its trigger, b is not
+    before = [req_kv(r).kv_committed_len for r in reqs]  # a is at its trigger, b is not
     batch = ScheduleBatch.init_new(
         reqs,
         engine.driver.req_to_token_pool,
@@ -337,3 +345,35 @@ def test_decode_hook_replaces_batch_lengths_keeping_their_dtypes():
     assert batch.seq_lens_cpu.tolist() == batch.seq_lens.tolist()
     assert batch.orig_seq_lens.dtype == torch.int32 and batch.orig_seq_lens is not old_orig
     assert old_orig.tolist() == before  # the in-flight forward's tensor is untouched
+
+
+@pytest.mark.parametrize(
+    "attribute,value,flag",
+    [("enable_hisparse", True, "--enable-hisparse"), ("dcp_size", 2, "--dcp-size > 1")],
+)
+def test_sglang_0523_only_paths_are_refused_by_name(attribute, value, flag):
+    from types import SimpleNamespace
+
+    from sglang_evict.srt.server_args import startup_problems
+
+    config = EvictionConfig(kv_budget_tokens=256, scorer="streaming")
+    (problem,) = startup_problems(SimpleNamespace(**{attribute: value}), config)
+    assert problem.startswith(f"{flag} is not supported with sglang-evict yet")
+    assert problem.endswith("remove it")
+    assert startup_problems(SimpleNamespace(**{attribute: None}), config) == []
+
+
+def test_beam_search_requests_are_refused_naming_the_field():
+    from types import SimpleNamespace
+
+    from sglang_evict.request_policy import RequestPolicyError
+    from sglang_evict.srt.request_policy import _after_validate_one_request
+    from sglang_evict.srt.server_args import BACKEND_NAME
+
+    manager = SimpleNamespace(server_args=SimpleNamespace(radix_cache_backend=BACKEND_NAME))
+    beam = SimpleNamespace(sampling_params={"max_new_tokens": 8, "beam_width": 4})
+    with pytest.raises(RequestPolicyError, match="beam_width=4 is not supported") as refused:
+        _after_validate_one_request(None, manager, beam)
+    assert refused.value.field == "beam_width"
+    plain = SimpleNamespace(sampling_params={"max_new_tokens": 8, "beam_width": 1})
+    assert _after_validate_one_request("ok", manager, plain) == "ok"

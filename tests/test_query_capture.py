@@ -21,6 +21,7 @@ from sglang_evict.query_capture import QueryRing, RingShape, kv_tokens_for
 from sglang_evict.scorers import KVView, build_scorer
 from sglang_evict.scorers.base import BatchKVView
 from sglang_evict.srt import capture
+from sglang_evict.srt.versioned import req_kv
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM = 2, 2, 2, 8
 Q_HEADS = KV_HEADS * GROUP
@@ -427,7 +428,7 @@ def test_capture_and_query_scorer_passes_never_synchronise_the_host_on_a_gpu(sco
     for i, length in enumerate((40, 56, 70)):
         req, _, _ = driver.admit(f"r{i}", list(range(i, i + length)))
         manager.record_queries(
-            req.req_pool_idx,
+            req_kv(req).req_pool_idx,
             torch.randn(LAYERS, length, Q_HEADS, HEAD_DIM, device="cuda"),
             torch.arange(length, device="cuda"),
         )
@@ -452,4 +453,4 @@ def test_capture_and_query_scorer_passes_never_synchronise_the_host_on_a_gpu(sco
         finish_decode_step(batch, reqs)
     assert results, "no pass ran"
     for req in reqs:
-        manager.check_request(req.rid, req.kv_committed_len)
+        manager.check_request(req.rid, req_kv(req).kv_committed_len)

@@ -97,7 +97,7 @@ def test_shared_system_prompt_survives_a_heavily_evicting_neighbour(hf_model, pa
     def run(requests):
         driver = driver_for(hf_model, page_size, policy(page_size, budget=40))
         generate(driver, model, [warmup])
-        shared = driver.match(system).device_indices.clone()
+        shared = driver.match(system).indices.clone()
         snapshot = [
             buf[shared].clone() for buf in (*driver.kv_pool.k_buffer, *driver.kv_pool.v_buffer)
         ]
@@ -111,7 +111,7 @@ def test_shared_system_prompt_survives_a_heavily_evicting_neighbour(hf_model, pa
         snapshot, (*driver.kv_pool.k_buffer, *driver.kv_pool.v_buffer), strict=True
     ):
         assert torch.equal(buf[shared], before)  # shared pages bit-identical
-    assert torch.equal(driver.match([*system, 9]).device_indices, shared)  # still a hit
+    assert torch.equal(driver.match([*system, 9]).indices, shared)  # still a hit
     _, _, _, alone = run([b])
     assert together.outputs["b"] == alone.outputs["b"]  # b's output is unchanged
     assert driver.free_tokens() + driver.cache.evictable_size() == driver.num_tokens

@@ -28,6 +28,7 @@ from sglang_evict.srt.request_policy import (
     request_scorers,
 )
 from sglang_evict.srt.server_args import BACKEND_NAME, CONFIG_ENV
+from sglang_evict.srt.versioned import req_kv
 from tests.sglang_harness import Engine
 from tests.test_request_policy import server
 
@@ -39,12 +40,12 @@ def policy(**fields) -> dict:
 def run(engine: Engine, reqs: list, steps: int) -> dict[str, int]:
     """Decode ``reqs`` as one batch for ``steps`` steps, checking every invariant after
     each; returns each request's most KV slots held (``kv_allocated_len``)."""
-    peak = {req.rid: req.kv.kv_allocated_len for req in reqs}
+    peak = {req.rid: req_kv(req).kv_allocated_len for req in reqs}
     for step in range(steps):
         engine.decode_batch(reqs, [1000 + step] * len(reqs))
         engine.check()
         for req in reqs:
-            peak[req.rid] = max(peak[req.rid], req.kv.kv_allocated_len)
+            peak[req.rid] = max(peak[req.rid], req_kv(req).kv_allocated_len)
     return peak
 
 
@@ -71,7 +72,7 @@ def test_requests_of_one_batch_evict_under_their_own_budgets_and_cadences(page_s
             (budget + cadence, budget)
         }, rid
         assert {r.budget_tokens for r in passes[rid]} == {budget}
-    assert reqs[3].kv_committed_len == len(prompt) + 300  # grows: nothing evicted
+    assert req_kv(reqs[3]).kv_committed_len == len(prompt) + 300  # grows: nothing evicted
 
 
 def test_requests_of_one_pass_ranked_by_different_scorers_keep_what_each_alone_keeps():
@@ -249,7 +250,7 @@ def test_fork_branches_evict_their_own_tails_and_leave_the_shared_prefix_byte_fo
         engine.add_request(f"b{i}", [*prefix, 200 + i], custom_params=policy(**fields))
         for i, fields in enumerate(policies)
     ]
-    assert all(b.cache_protected_len >= len(prefix) for b in branches)  # matched, shared
+    assert all(req_kv(b).cache_protected_len >= len(prefix) for b in branches)  # matched, shared
     run(engine, branches, 150)
     assert {rid for rid, _ in engine.pass_log} == {"b0", "b1", "b2"}
     assert prefix_entries(tree_digest(engine.cache), prefix) == before
@@ -258,7 +259,7 @@ def test_fork_branches_evict_their_own_tails_and_leave_the_shared_prefix_byte_fo
         engine.check()
     assert prefix_entries(tree_digest(engine.cache), prefix) == before
     later = engine.match([*prefix, 300, 301])
-    assert later.device_indices[: len(prefix)].tolist() == [slot for _, slot, _ in before]
+    assert later.indices[: len(prefix)].tolist() == [slot for _, slot, _ in before]
 
 
 def test_report_counts_the_passes_from_before_a_retraction():

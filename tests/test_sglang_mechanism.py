@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sglang_evict.config import EvictionConfig
+from sglang_evict.srt.versioned import req_kv
 from tests.sglang_harness import Engine
 
 MATRIX = [(p, s) for p in (1, 16) for s in ("repack", "hole_fill")]
@@ -40,7 +41,7 @@ def test_passes_free_exactly_the_planned_pages_and_keep_survivors_bit_identical(
     for step in range(300):
         engine.decode_step(req, 1000 + step)
         engine.check()  # KV of every row entry matches its token and logical position
-        assert req.kv_committed_len <= 64 + 16
+        assert req_kv(req).kv_committed_len <= 64 + 16
     assert len(engine.pass_log) >= 10
     for _, result in engine.pass_log:
         assert result.pages_freed > 0 and result.tokens_after == 64
@@ -51,7 +52,7 @@ def test_passes_free_exactly_the_planned_pages_and_keep_survivors_bit_identical(
     if page_size == 1:
         assert all(r.slot_copies == 0 for _, r in engine.pass_log)
     # The next token is generated at its true position: 40 prompt + 300 decoded.
-    assert req.kv_committed_len + engine.position_offset(req) == 340
+    assert req_kv(req).kv_committed_len + engine.position_offset(req) == 340
     engine.finish(req)
     engine.check()
 
@@ -92,7 +93,7 @@ def test_shared_system_prompt_pages_are_untouched_by_a_heavily_evicting_request(
     a = engine.add_request("a", [*system, 1, 2, 3])
     b = engine.add_request("b", [*system, 4, 5])
     # Both hit the system prompt; after prefill each prompt's pages are tree-owned too.
-    assert a.cache_protected_len >= 32 and b.cache_protected_len >= 32
+    assert req_kv(a).cache_protected_len >= 32 and req_kv(b).cache_protected_len >= 32
     shared_slots = engine.row(a)[:32].clone()
     assert torch.equal(shared_slots, engine.row(b)[:32])
     shared_kv = [buf[shared_slots].clone() for buf in engine.kv.k_buffer + engine.kv.v_buffer]
@@ -107,7 +108,7 @@ def test_shared_system_prompt_pages_are_untouched_by_a_heavily_evicting_request(
         assert torch.equal(buf[shared_slots], before)
     # A third request still hits the shared prefix.
     match = engine.match([*system, 9, 9])
-    assert torch.equal(match.device_indices, shared_slots)
+    assert torch.equal(match.indices, shared_slots)
     for req in (a, b):
         engine.finish(req)
     engine.check()
@@ -121,14 +122,14 @@ def test_compacted_kv_is_never_offered_as_a_prefix(page_size, strategy):
     for step in range(120):
         engine.decode_step(req, 300 + step)
     assert engine.pass_log
-    first_evicted = engine.cache.evictor.first_evicted_position("a", req.kv_committed_len)
+    first_evicted = engine.cache.evictor.first_evicted_position("a", req_kv(req).kv_committed_len)
     tokens = prompt + list(req.output_ids)
     engine.finish(req)
     engine.check()
     # A later request with the same prompt + output matches at most the intact prefix,
     # and every matched slot holds the KV of exactly its token at its position.
     match = engine.match([*tokens, 1])
-    matched = match.device_indices
+    matched = match.indices
     assert len(matched) <= first_evicted
     assert len(matched) >= (32 // page_size) * page_size  # the prompt itself is cached
     k0 = engine.kv.k_buffer[0][matched]
@@ -173,7 +174,7 @@ def test_retracted_evicted_request_is_forgotten_and_re_prefills_at_regular_posit
         engine.decode_step(req, 1000 + step)
     manager = engine.cache.evictor
     assert "a" in manager.states and manager.position_offset("a") > 0
-    row = req.req_pool_idx
+    row = req_kv(req).req_pool_idx
     tokens = list(req.origin_input_ids) + list(req.output_ids)
     engine.driver.retract(req)
     engine.check()

@@ -66,7 +66,7 @@ def run_request(heads: slice, scorer: str, reducer=None) -> list[list[int]]:
             driver.kv_pool.v_buffer[layer][slot] = v[layer, heads]
         if manager.query_ring is not None:  # what this rank's attention captures
             queries = q[:, q_heads].unsqueeze(1)
-            manager.record_queries(req.req_pool_idx, queries, torch.tensor([position]))
+            manager.record_queries(driver.kv(req).req_pool_idx, queries, torch.tensor([position]))
 
     req, prefix_len, slots = driver.admit("a", PROMPT)
     for position, slot in zip(range(prefix_len, len(PROMPT)), slots.tolist(), strict=True):

@@ -1,13 +1,16 @@
 """The SGLang side of the plugin: the only package that touches ``sglang.srt.*``.
 
-Written against SGLang ``SGLANG_VERSION_TARGET`` (0.5.17, the newest release pinning
-torch 2.11, the lent GPU's torch). Internals move between releases (0.5.23 replaced
-``cache_finished_req``/``cache_unfinished_req`` with a checkpoint API), so importing
-this package first checks the installed release and refuses any other, naming the one
-to install. Everything else in ``sglang_evict`` talks to these modules, one per
-integration surface:
+Written against SGLang 0.5.17 (``SGLANG_VERSION_TARGET``: the newest release pinning
+torch 2.11, the lent GPU's torch) and 0.5.23 (the newest release). Internals move
+between releases (0.5.23 replaced ``cache_finished_req``/``cache_unfinished_req`` with a
+checkpoint API and moved a request's KV fields to ``req.kv``), so importing this package
+first checks the installed release and refuses any other, naming the supported ones;
+what differs between the two is in ``versioned``, nowhere else. Everything else in
+``sglang_evict`` talks to these modules, one per integration surface:
 
     module          surface                                   SGLang classes touched
+    versioned       what differs between 0.5.17 and 0.5.23    Req / ReqKvInfo, allocators,
+                    (KV fields, cache lifecycle, allocator)   RadixCache, PrefillAdder
     pools           KV pool access, the allocator's free set  ReqToTokenPool, allocators,
                     sharing buffers with the compactor        MHATokenToKVPool
     manager         EvictionManager over a cache's pools      CacheInitParams
@@ -34,7 +37,9 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-SGLANG_VERSION_TARGET = "0.5.17"
+SGLANG_VERSION_TARGET = "0.5.17"  # the GPU-verified release (torch 2.11, the lent GPU's)
+# Releases the plugin runs on; what differs between them is in ``versioned``.
+SUPPORTED_SGLANG_VERSIONS = ("0.5.17", "0.5.23")
 
 
 def installed_sglang_version() -> str | None:
@@ -47,16 +52,18 @@ def installed_sglang_version() -> str | None:
 def version_problem(installed: str | None) -> str | None:
     """Why the plugin cannot run against SGLang ``installed`` (None: not installed), or
     None if it can."""
+    supported = " or ".join(SUPPORTED_SGLANG_VERSIONS)
     if installed is None:
         return (
-            f"sglang-evict needs SGLang {SGLANG_VERSION_TARGET}, but SGLang is not installed; "
-            f'install it with: pip install "sglang=={SGLANG_VERSION_TARGET}"'
+            f"sglang-evict needs SGLang {supported}, but SGLang is not installed; install "
+            f'it with: pip install "sglang-evict[sglang]" (SGLang {SGLANG_VERSION_TARGET})'
         )
-    if installed != SGLANG_VERSION_TARGET:
+    if installed not in SUPPORTED_SGLANG_VERSIONS:
         return (
-            f"sglang-evict was written against SGLang {SGLANG_VERSION_TARGET}, found "
-            f"{installed}; its internals differ between releases. Install "
-            f'"sglang=={SGLANG_VERSION_TARGET}" or an sglang-evict release for {installed}.'
+            f"sglang-evict supports SGLang {supported}, found {installed}; its internals "
+            f"differ between releases. Install one of them "
+            f'(pip install "sglang=={SGLANG_VERSION_TARGET}") or an sglang-evict release '
+            f"for {installed}."
         )
     return None
 

@@ -13,8 +13,9 @@ with ``--kv-admission bounded`` (the default) both figures are capped by it:
   unscaled by ``new_token_ratio``: SGLang's ratio guesses how early requests stop, and
   the bound needs no guess, so admitted evicting requests never outgrow the pool
   (``sglang_evict.admission.bounded_new_tokens``).
-* ``PrefillAdder.add_one_req`` (AROUND hook): the adder's ``rem_total_token_offset``
-  is credited with ``SGLang's estimate - bounded`` for the admission checks, and once
+* ``PrefillAdder.add_one_req`` (AROUND hook): what the adder holds back
+  (``versioned.add_to_admission_offset``) is credited with ``SGLang's estimate -
+  bounded`` for the admission checks, and once
   the request is admitted whole (not a first chunk) the reservation SGLang added for
   it (``_update_prefill_budget``: prompt + ``min(max_new_tokens, CLIP)`` + a page)
   is corrected by the same kind of credit, so it holds prompt + bounded growth + a
@@ -51,6 +52,7 @@ from sglang_evict.admission import (
 from sglang_evict.srt.backend import EvictingRadixCache, _Active
 from sglang_evict.srt.hooks import due_request, passable, run_passes, supported_allocation
 from sglang_evict.srt.request_policy import policy_of
+from sglang_evict.srt.versioned import add_to_admission_offset, matched_prefix_len, req_kv
 
 HOOK_RUNNING_OFFSET = (
     "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset"
@@ -89,8 +91,9 @@ def _after_running_offset(result, adder, req, *args, **kwargs):
     manager = _bounded_manager(adder.tree_cache)
     if manager is None:
         return result
+    kv = req_kv(req)
     growth = request_growth(
-        manager, req, kv_len=req.kv_committed_len, num_shared=req.cache_protected_len
+        manager, req, kv_len=kv.kv_committed_len, num_shared=kv.cache_protected_len
     )
     if growth is None:
         return result
@@ -103,7 +106,7 @@ def _around_add_one_req(original, adder, req, *args, **kwargs):
     growth = None
     if manager is not None:
         fill_len = len(req.full_untruncated_fill_ids)
-        growth = request_growth(manager, req, kv_len=fill_len, num_shared=len(req.prefix_indices))
+        growth = request_growth(manager, req, kv_len=fill_len, num_shared=matched_prefix_len(req))
     if growth is None:
         return original(adder, req, *args, **kwargs)
     clip = _clip_max_new_tokens()
@@ -114,14 +117,14 @@ def _around_add_one_req(original, adder, req, *args, **kwargs):
     reserved = min(max_new, clip)
     check_credit = checked - bounded_new_tokens(checked, growth)
     reserve_credit = reserved - bounded_new_tokens(reserved, growth)
-    adder.rem_total_token_offset -= check_credit
+    add_to_admission_offset(adder, -check_credit)
     try:
         return original(adder, req, *args, **kwargs)
     finally:
         admitted_whole = adder.new_chunked_req is not req and any(
             r is req for r in adder.can_run_list
         )
-        adder.rem_total_token_offset += check_credit - (reserve_credit if admitted_whole else 0)
+        add_to_admission_offset(adder, check_credit - (reserve_credit if admitted_whole else 0))
 
 
 def _clip_max_new_tokens() -> int:
@@ -143,12 +146,9 @@ def relieve_pressure(manager, batch, selected_indices=None) -> list:
         policy = policy_of(req)
         if not passable(req) or not (policy or manager.default_policy).enabled:
             continue
+        kv = req_kv(req)
         counts = manager.counts(
-            req.rid,
-            req.kv_committed_len,
-            req.cache_protected_len,
-            len(req.origin_input_ids),
-            policy,
+            req.rid, kv.kv_committed_len, kv.cache_protected_len, len(req.origin_input_ids), policy
         )
         if counts.tokens_evicted > 0 and supported_allocation(req):
             candidates.append(PressureCandidate(i, counts.tokens_evicted, counts.pages_freed))

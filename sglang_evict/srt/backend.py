@@ -6,19 +6,19 @@ from __future__ import annotations
 import logging
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 from torch import Tensor
 
 from sglang_evict.config import EvictionConfig
 from sglang_evict.srt import capture
-from sglang_evict.srt.introspection import PassTotals, log_passes_enabled, log_request
+from sglang_evict.srt.introspection import PassTotals
 from sglang_evict.srt.manager import forward_stream_of, make_manager
 from sglang_evict.srt.pools import free_slots
-from sglang_evict.srt.request_policy import request_limits, settle_report
+from sglang_evict.srt.request_policy import request_limits
 from sglang_evict.srt.server_args import check_startup, config_from_env, model_facts_of_context
 from sglang_evict.srt.tp import TP_REDUCED_SCORERS, tp_score_reducer
+from sglang_evict.srt.versioned import RequestLifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,9 @@ class _Active:
     totals = PassTotals()
 
 
-class EvictingRadixCache(RadixCache):
-    """SGLang's radix cache, aware of requests whose KV was evicted and compacted.
+class EvictingRadixCache(RequestLifecycle, RadixCache):
+    """SGLang's radix cache, aware of requests whose KV was evicted and compacted (the
+    request lifecycle of the installed release: ``versioned.RequestLifecycle``).
 
     Invariants (``check_invariants`` verifies them; tests call it after every operation):
         * ``evictable_size_`` equals the tokens of unlocked nodes and ``protected_size_``
@@ -47,48 +48,6 @@ class EvictingRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams, config: EvictionConfig) -> None:
         super().__init__(params)
         self.evictor = make_manager(config, params)
-
-    def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
-        # Before the state goes: SGLang streams the request's last output after this.
-        report = settle_report(req, self.evictor)
-        if report is not None and log_passes_enabled():
-            log_request(req.rid, report)
-        state = self.evictor.states.get(req.rid)
-        if state is None or self.disable:
-            return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
-        try:
-            self._cache_finished_evicted_req(req, is_insert, kv_len_to_handle)
-        finally:
-            self.evictor.forget(req.rid)
-
-    def _cache_finished_evicted_req(self, req, is_insert: bool, kv_len: int) -> None:
-        """Insert at most the intact prefix (up to the first entry whose KV no longer
-        matches its token), free everything else the request holds."""
-        if self.disable_finished_insert:
-            is_insert = False
-        intact = self.evictor.intact_prefix_len(req.rid, kv_len)
-        token_ids = (req.origin_input_ids + req.output_ids)[:intact]
-        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len]
-        radix_key = RadixKey(token_ids, req.extra_key, is_bigram=self.is_eagle).page_aligned(
-            self.page_size
-        )
-        key_len = len(radix_key)
-        values = kv_indices[:key_len].to(dtype=torch.int64, copy=True)
-        if is_insert:
-            priority = getattr(req, "priority", 0) or 0
-            result = self.insert(InsertParams(key=radix_key, value=values, priority=priority))
-            freed_end = result.prefix_len
-        else:
-            freed_end = key_len
-        # The frozen shared prefix is intact, so key_len >= cache_protected_len.
-        self.token_to_kv_pool_allocator.free_segments(
-            [
-                (kv_indices[req.cache_protected_len : freed_end], req.cache_protected_len),
-                (kv_indices[key_len:], key_len),
-            ]
-        )
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
 
     def inc_lock_ref(self, node: TreeNode):
         """SGLang's lock, plus a lease-store pin of the pages of every node that becomes
@@ -115,20 +74,6 @@ class EvictingRadixCache(RadixCache):
                 path.append(node)
             node = node.parent
         return path
-
-    def cache_unfinished_req(self, req, chunked: bool = False):
-        if req.rid in self.evictor.states:
-            # An evicted request's row no longer matches its tokens: insert nothing more.
-            return
-        if self.evictor.config.evict_prompt and not self.disable:
-            # The unshared prompt stays the request's own (as SGLang keeps a partial
-            # page): not offered to other requests, so passes may evict it. The KV
-            # SGLang counts as the request's is what lies past cache_protected_len.
-            fill_len = len(req.get_fill_ids())
-            row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :fill_len]
-            req.prefix_indices = row.to(dtype=torch.int64, copy=True)
-            return
-        return super().cache_unfinished_req(req, chunked=chunked)
 
     def check_invariants(self) -> None:
         evictable, protected = 0, 0

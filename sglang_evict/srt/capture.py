@@ -37,6 +37,7 @@ import torch
 
 from sglang_evict.config import EvictionConfig
 from sglang_evict.query_capture import QueryRing, RingShape, kv_tokens_for
+from sglang_evict.srt.versioned import attention_tp_size, req_kv
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ def _after_resolve_memory_pool_config(pool_config, configurator, *args, **kwargs
         pool_tokens=pool_config.max_total_num_tokens,
         num_request_rows=pool_config.max_running_requests + 1,  # + SGLang's padding row
         model_config=configurator.model_config,
-        tp_size=configurator.ps.attn_tp_size,
+        tp_size=attention_tp_size(configurator),
         num_layers=configurator.layer_info.num_effective_layers,
         kv_cache_dtype=configurator.kv_cache_dtype,
         model_dtype=configurator.model_dtype,
@@ -253,7 +254,7 @@ def capture_layer_queries(ring: QueryRing, q, layer, forward_batch, kwargs: dict
 def claim_query_rows(ring: QueryRing, req_to_token_pool, reqs) -> None:
     """Reset the ring rows SGLang handed to new requests since their last reset (the
     request pool counts each hand-out in ``req_generation``)."""
-    rows = [req.req_pool_idx for req in reqs]
+    rows = [req_kv(req).req_pool_idx for req in reqs]
     generations = [int(req_to_token_pool.req_generation[row]) for row in rows]
     ring.claim_rows(rows, generations)
 

@@ -3,10 +3,12 @@ the demo's and the tests' engine, and the quality harness's."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.mem_cache.radix_cache import RadixCache
 from torch import Tensor
 
 from sglang_evict.config import EvictionConfig
@@ -16,6 +18,23 @@ from sglang_evict.srt.backend import EvictingRadixCache
 from sglang_evict.srt.capture import claim_query_rows
 from sglang_evict.srt.hooks import compact_decode_batch
 from sglang_evict.srt.request_policy import attach_policy
+from sglang_evict.srt.versioned import (
+    adopt_prefix,
+    advance_after_decode_alloc,
+    match_prefix,
+    publish_prefill,
+    release,
+    req_kv,
+    set_prefilled,
+)
+
+
+@dataclass(frozen=True)
+class Match:
+    """A prefix match: the KV slots of the matched tokens and the tree node it ends on."""
+
+    indices: Tensor
+    last_node: object
 
 
 def publish_cpu_runtime() -> None:
@@ -28,7 +47,7 @@ def publish_cpu_runtime() -> None:
 
 
 class MemoryDriver:
-    """SGLang 0.5.17's memory classes on CPU tensors — ``ReqToTokenPool``, the token or
+    """SGLang's memory classes on CPU tensors — ``ReqToTokenPool``, the token or
     paged allocator, ``MHATokenToKVPool`` and the radix cache (``EvictingRadixCache``
     when a policy is given, SGLang's ``RadixCache`` otherwise) — driven through the calls
     its scheduler makes:
@@ -136,14 +155,9 @@ class MemoryDriver:
     def evictor(self) -> EvictionManager | None:
         return self.cache.evictor if isinstance(self.cache, EvictingRadixCache) else None
 
-    def match(self, tokens, extra_key: str | None = None):
-        from array import array
-
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-
-        return self.cache.match_prefix(
-            MatchPrefixParams(key=RadixKey(array("q", tokens), extra_key))
-        )
+    def match(self, tokens, extra_key: str | None = None) -> Match:
+        """The radix tree's longest cached prefix of ``tokens``."""
+        return Match(*match_prefix(self.cache, tokens, extra_key))
 
     def admit(
         self,
@@ -158,7 +172,7 @@ class MemoryDriver:
         as the scheduler's queue hook does; a refused one raises ``RequestPolicyError``)."""
         from array import array
 
-        from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
+        from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
         params = SamplingParams(max_new_tokens=1 << 20, custom_params=custom_params)
@@ -170,10 +184,8 @@ class MemoryDriver:
         # As SGLang's scheduler does (max_prefix_len = input_len - 1): at least one
         # prompt token is computed, so a fully cached prompt still yields logits.
         match = self.match(prompt[:-1], extra_key)
-        prefix = match.device_indices
-        req.prefix_indices, req.last_node = prefix, match.last_device_node
-        req.cache_protected_len = len(prefix)
-        self.cache.inc_lock_ref(req.last_node)
+        prefix = match.indices
+        adopt_prefix(self.cache, req, prefix, match.last_node)
         if self.req_to_token_pool.alloc([req]) is None:
             raise RuntimeError("request pool exhausted")
         if self.evictor is not None and self.evictor.query_ring is not None:
@@ -195,18 +207,14 @@ class MemoryDriver:
         if slots is None:
             raise RuntimeError("KV pool exhausted at prefill")
         row = torch.cat([prefix.to(self.device, torch.int64), slots.to(torch.int64)])
-        self.req_to_token_pool.write((req.req_pool_idx, slice(0, n_total)), row.to(torch.int32))
-        req.kv_committed_len = n_total
-        req.kv = ReqKvInfo(kv_allocated_len=n_total, swa_evicted_seqlen=0)
+        row_index = req_kv(req).req_pool_idx
+        self.req_to_token_pool.write((row_index, slice(0, n_total)), row.to(torch.int32))
+        set_prefilled(req, n_total)
         self.running[rid] = req
         return req, n_prefix, slots.to(torch.int64)
 
     def prefill_done(self, req) -> None:
-        from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
-
-        req._refresh_fill_ids()
-        req.set_extend_range(len(req.prefix_indices), req.kv_committed_len)
-        maybe_cache_unfinished_req(req, self.cache)
+        publish_prefill(req, self.cache)
 
     def schedule_batch(self, reqs: list):
         """The ``ScheduleBatch`` SGLang's scheduler holds for a decode step of ``reqs``,
@@ -227,11 +235,11 @@ class MemoryDriver:
             enable_overlap=False,
             spec_algorithm=SpeculativeAlgorithm.NONE,
         )
-        lens = [r.kv_committed_len for r in reqs]
+        lens = [req_kv(r).kv_committed_len for r in reqs]
         device = self.device
-        batch.req_pool_indices = torch.tensor(
-            [r.req_pool_idx for r in reqs], dtype=torch.int64, device=device
-        )
+        rows = [req_kv(r).req_pool_idx for r in reqs]
+        batch.req_pool_indices = torch.tensor(rows, dtype=torch.int64, device=device)
+        batch.req_pool_indices_cpu = torch.tensor(rows, dtype=torch.int64)
         batch.seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
         batch.seq_lens_cpu = torch.tensor(lens, dtype=torch.int64)
         batch.orig_seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
@@ -248,9 +256,7 @@ class MemoryDriver:
         out_slots = alloc_for_decode(batch, token_per_req=1)
         if out_slots is None:
             raise RuntimeError("KV pool exhausted at decode")
-        for req in reqs:  # what prepare_for_decode advances after allocating
-            req.decode_batch_idx += 1
-            req.kv_committed_len += 1
+        advance_after_decode_alloc(reqs)  # what prepare_for_decode advances
         seq_lens = batch.seq_lens + 1
         positions = (
             manager.decode_positions(batch.req_pool_indices, seq_lens)
@@ -261,31 +267,36 @@ class MemoryDriver:
 
     def finish(self, req) -> None:
         from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-        from sglang.srt.mem_cache.common import release_kv_cache
 
         if not req.finished():  # as SGLang's scheduler marks it before releasing
             req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
-        release_kv_cache(req, self.cache)
+        release(req, self.cache, insert=True)
         del self.running[req.rid]
 
     def retract(self, req) -> None:
         """What ``ScheduleBatch.retract_decode`` does to a request (``release_req``): free
         its KV without inserting it into the tree and reset it for a later re-prefill of
         its prompt and output tokens."""
-        from sglang.srt.mem_cache.common import release_kv_cache
-
-        release_kv_cache(req, self.cache, is_insert=False)
+        release(req, self.cache, insert=False)
         req.reset_for_retract()
         del self.running[req.rid]
 
+    @staticmethod
+    def kv(req):
+        """``req``'s KV bookkeeping (row index, committed, protected and allocated
+        lengths) under the installed SGLang's names (``versioned.req_kv``)."""
+        return req_kv(req)
+
     def row(self, req) -> Tensor:
-        return self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len].long()
+        kv = req_kv(req)
+        return self.req_to_token_pool.req_to_token[kv.req_pool_idx, : kv.kv_committed_len].long()
 
     def positions(self, req) -> Tensor:
         manager = self.evictor
+        kv_len = req_kv(req).kv_committed_len
         if manager is None:
-            return torch.arange(req.kv_committed_len)
-        return manager.positions(req.rid, req.kv_committed_len)
+            return torch.arange(kv_len)
+        return manager.positions(req.rid, kv_len)
 
     def free_tokens(self) -> int:
         return int(self.allocator.available_size())

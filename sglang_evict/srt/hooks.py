@@ -47,6 +47,7 @@ from sglang_evict.srt.backend import EvictingRadixCache, _Active
 from sglang_evict.srt.capture import on_forward_batch
 from sglang_evict.srt.introspection import log_pass, log_passes_enabled
 from sglang_evict.srt.request_policy import policy_of
+from sglang_evict.srt.versioned import req_kv
 from sglang_evict_kernels import device_int64
 
 logger = logging.getLogger(__name__)
@@ -61,12 +62,9 @@ def due_requests(manager: EvictionManager, reqs) -> list[tuple[int, DueRequest]]
     due = []
     for i, req in enumerate(reqs):
         policy = policy_of(req)
+        kv = req_kv(req)
         if not passable(req) or not manager.is_due(
-            req.rid,
-            req.kv_committed_len,
-            req.cache_protected_len,
-            len(req.origin_input_ids),
-            policy,
+            req.rid, kv.kv_committed_len, kv.cache_protected_len, len(req.origin_input_ids), policy
         ):
             continue
         if supported_allocation(req):
@@ -82,24 +80,26 @@ def passable(req) -> bool:
 
 def supported_allocation(req) -> bool:
     """False (and logged) for a request holding more slots than committed tokens."""
-    if req.kv.kv_allocated_len == req.kv_committed_len:
+    kv = req_kv(req)
+    if kv.kv_allocated_len == kv.kv_committed_len:
         return True
     logger.error(
         "sglang-evict: request %s has %d KV slots allocated for %d committed; "
         "over-allocation (speculative decoding) is not supported: no pass",
         req.rid,
-        req.kv.kv_allocated_len,
-        req.kv_committed_len,
+        kv.kv_allocated_len,
+        kv.kv_committed_len,
     )
     return False
 
 
 def due_request(req, policy) -> DueRequest:
+    kv = req_kv(req)
     return DueRequest(
         rid=req.rid,
-        req_pool_idx=req.req_pool_idx,
-        kv_len=req.kv_committed_len,
-        num_shared=req.cache_protected_len,
+        req_pool_idx=kv.req_pool_idx,
+        kv_len=kv.kv_committed_len,
+        num_shared=kv.cache_protected_len,
         prompt_len=len(req.origin_input_ids),
         policy=policy,
     )
@@ -145,8 +145,9 @@ def run_passes(
         if result is None:
             continue
         shrink[i] = result.tokens_evicted
-        reqs[i].kv_committed_len = result.tokens_after
-        reqs[i].kv.kv_allocated_len = result.tokens_after
+        kv = req_kv(reqs[i])
+        kv.kv_committed_len = result.tokens_after
+        kv.kv_allocated_len = result.tokens_after
     for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
         lengths = getattr(batch, name)
         if lengths is not None:  # a new tensor of the same device and dtype

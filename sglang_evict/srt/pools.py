@@ -10,6 +10,7 @@ from torch import Tensor
 
 from compactor_service.cuda_ipc import export_cuda_buffers
 from compactor_service.shared_pool import PoolLayout, create_shared_buffers
+from sglang_evict.srt.versioned import free_page_ids, give_back_pages
 
 
 class SGLangPoolAccess:
@@ -78,23 +79,10 @@ class SGLangPoolAccess:
         return torch.div(slots[:: self.page_size], self.page_size, rounding_mode="floor")
 
     def release_pages(self, pages: Tensor) -> None:
-        """Give pages (slots when the page size is 1) back without synchronising.
-
-        ``PagedTokenToKVPoolAllocator.free`` runs ``torch.unique`` over the freed slots
-        (a data-dependent shape: the host waits for the device); the pass already holds
-        distinct page ids, so they go straight to the free list the way ``free`` would
-        put them there (``_release_page_ids``, or the open free group). The token
-        allocator's ``free`` is a concatenation: used as it is.
-        """
-        if pages.numel() == 0:
-            return
-        allocator = self.allocator
-        if self.page_size == 1:
-            allocator.free(pages.to(allocator.device))
-        elif allocator.is_not_in_free_group:
-            allocator._release_page_ids(pages.to(allocator.device))
-        else:
-            allocator.free_page_reps_group.append(pages.to(allocator.device) * self.page_size)
+        """Give pages (slots when the page size is 1) back without synchronising
+        (``versioned.give_back_pages``)."""
+        if pages.numel():
+            give_back_pages(self.allocator, pages)
 
 
 def share_kv_pool(kv_pool: MHATokenToKVPool, shm_dir: str) -> tuple[PoolLayout, object]:
@@ -129,7 +117,7 @@ def share_kv_pool(kv_pool: MHATokenToKVPool, shm_dir: str) -> tuple[PoolLayout, 
 
 def free_slots(allocator) -> Tensor:
     """int64 CPU tensor of every slot the allocator considers free."""
-    pages = torch.cat([allocator.free_pages, allocator.release_pages]).to("cpu", torch.int64)
+    pages = free_page_ids(allocator)
     if allocator.page_size == 1:
         return pages
     offsets = torch.arange(allocator.page_size, dtype=torch.int64)

@@ -44,6 +44,7 @@ from sglang_evict.request_policy import (
 from sglang_evict.scorers import SCORERS, needs_calibration
 from sglang_evict.srt.server_args import BACKEND_NAME, config_from_env, server_scorers
 from sglang_evict.srt.tp import RANK_INDEPENDENT_SCORERS
+from sglang_evict.srt.versioned import req_kv
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,14 @@ def _after_validate_one_request(result, tokenizer_manager, obj, *args, **kwargs)
     sampling_params = getattr(obj, "sampling_params", None)
     if not isinstance(sampling_params, dict):  # embedding requests carry none
         return result
+    beam_width = sampling_params.get("beam_width")
+    if isinstance(beam_width, int) and beam_width > 1:  # SGLang 0.5.23's beam search
+        raise RequestPolicyError(
+            "beam_width",
+            f"sampling_params.beam_width={beam_width} is not supported with sglang-evict yet "
+            "(beam members are decode rows without a request of their own); drop beam_width "
+            "or send the request to a server without --radix-cache-backend sglang-evict",
+        )
     custom_params = sampling_params.get("custom_params")
     if overrides_of(custom_params) is None:
         return result
@@ -162,7 +171,8 @@ def eviction_report(req, manager) -> dict:
     policy = policy_of(req) or manager.default_policy
     passes, evicted, peak = getattr(req, CARRIED_ATTR, (0, 0, 0))
     state = manager.states.get(req.rid)
-    held = req.kv.kv_allocated_len if req.kv is not None else req.kv_committed_len
+    kv = req_kv(req)
+    held = kv.kv_allocated_len if req.kv is not None else kv.kv_committed_len
     return {
         **policy.as_dict(),
         "passes": passes + (state.num_passes if state else 0),

@@ -175,6 +175,18 @@ def model_facts_from_server_args(server_args) -> ModelFacts:
 
 
 _FLAG_REFUSALS = (
+    (  # SGLang 0.5.23
+        "enable_hisparse",
+        bool,
+        "--enable-hisparse",
+        "hierarchical sparse attention keeps its own device subset of each request's KV",
+    ),
+    (  # SGLang 0.5.23
+        "dcp_size",
+        lambda v: v is not None and v > 1,
+        "--dcp-size > 1",
+        "decode context parallelism shards each request's pages across ranks",
+    ),
     (
         "speculative_algorithm",
         lambda v: v is not None,
