@@ -42,6 +42,8 @@ the device, for the in-flight forward.
 
 from __future__ import annotations
 
+from sglang.srt.managers import schedule_policy
+
 from sglang_evict.admission import (
     PressureCandidate,
     bounded_new_tokens,
@@ -128,8 +130,8 @@ def _around_add_one_req(original, adder, req, *args, **kwargs):
 
 
 def _clip_max_new_tokens() -> int:
-    from sglang.srt.managers import schedule_policy
-
+    """SGLang's clip of a request's estimated new tokens (read at call time: tests and
+    operators may set ``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`` before the import)."""
     return schedule_policy.CLIP_MAX_NEW_TOKENS
 
 

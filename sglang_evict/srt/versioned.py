@@ -21,8 +21,8 @@ behind a small view on 0.5.17, ``req.kv`` on 0.5.23), so callers read and write
 ``req_kv(req).kv_committed_len`` alike on both. The radix cache's request lifecycle,
 which changed most (0.5.17: ``cache_unfinished_req`` / ``cache_finished_req``; 0.5.23:
 ``checkpoint`` on a running or finished request, then ``on_release`` after every
-release: finish, retraction or abort), is handled in ``sglang_evict.srt.backend`` with
-one method set per release, selected by ``IS_0_5_23``.
+release: finish, retraction or abort), is ``RequestLifecycle`` below: one method set per
+release, selected by ``IS_0_5_23``, mixed into ``backend.EvictingRadixCache``.
 """
 
 from __future__ import annotations
