@@ -15,9 +15,10 @@ device operation runs on the host too: the figures include the work a GPU would 
 asynchronously. The last column counts the tensor operations one batched pass
 dispatches (a ``TorchDispatchMode``): on a GPU these launches are the host's whole
 share of the device work, and their number depends on neither the budget nor the
-number of requests. The per-request path runs at most ``--old-requests`` requests per
-point (it handles one request at a time, so its cost per request does not depend on
-how many are due).
+number of requests. ``done ms/req`` is the batched pass until the device finished it
+(the same as the host time on CPU). The per-request path runs at most
+``--old-requests`` requests per point (it handles one request at a time, so its cost
+per request does not depend on how many are due).
 
     python3 benches/bench_pass.py                      # CPU, one torch thread
     python3 benches/bench_pass.py --device cuda        # GPU: host time, no synchronise
@@ -117,7 +118,7 @@ def previous_pass(pool, config, scorer, req_pool_idx, kv_len):
         positions=positions[order],
         current_position=next_position,
     )
-    scores = scorer.score(view)
+    scores = scorer.score(view).cpu()  # selection and planning ran on the host
     protected = protected_mask(
         positions[order],
         sink_tokens=config.sink_tokens,
@@ -222,10 +223,11 @@ def time_batched(args, config, pool, kv_len, num_requests, count_ops=False):
             results = manager.run_batch_pass(due)
     elapsed = time.perf_counter() - start  # host time: no wait for the device
     sync(args.device)
+    done = time.perf_counter() - start  # until the device finished the pass too
     assert len(results) == num_requests and all(
         r.tokens_after == config.kv_budget_tokens for r in results
     )
-    return elapsed, (counter.count if counter else None)
+    return elapsed, done, (counter.count if counter else None)
 
 
 def time_previous(args, config, pool, kv_len, num_requests):
@@ -253,6 +255,13 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--smoke", action="store_true", help="one tiny point (checks the script)")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the table: cProfile of N batched passes with one due request (first budget)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.budgets, args.due, args.cadence, args.repeats = [256], [2], 32, 1
@@ -264,30 +273,52 @@ def main(argv=None) -> None:
     )
     header = (
         f"{'budget':>7} {'due':>4} {'per-request ms/req':>19} {'batched ms/req':>15} "
-        f"{'ratio':>7} {'ops/pass':>9}"
+        f"{'ratio':>7} {'ops/pass':>9} {'done ms/req':>13}"
     )
     print(header)
     for budget in args.budgets:
         for num_requests in args.due:
             config, pool, kv_len = setup(args, budget, num_requests)
-            batched, previous = [], []
+            batched, finished, previous = [], [], []
             old_requests = min(num_requests, args.old_requests)
             for repeat in range(args.repeats + 1):  # the first round warms up
                 fill_rows(pool, num_requests, kv_len, args.page_size, seed=repeat)
-                b, _ = time_batched(args, config, pool, kv_len, num_requests)
+                b, d, _ = time_batched(args, config, pool, kv_len, num_requests)
                 fill_rows(pool, num_requests, kv_len, args.page_size, seed=repeat)
                 p = time_previous(args, config, pool, kv_len, old_requests)
                 if repeat:
                     batched.append(b / num_requests)
+                    finished.append(d / num_requests)
                     previous.append(p / old_requests)
             fill_rows(pool, num_requests, kv_len, args.page_size, seed=0)
-            _, ops = time_batched(args, config, pool, kv_len, num_requests, count_ops=True)
+            _, _, ops = time_batched(args, config, pool, kv_len, num_requests, count_ops=True)
             b_ms, p_ms = statistics.median(batched) * 1e3, statistics.median(previous) * 1e3
+            d_ms = statistics.median(finished) * 1e3
             print(
                 f"{budget:>7} {num_requests:>4} {p_ms:>19.3f} {b_ms:>15.3f} "
-                f"{p_ms / b_ms:>6.1f}x {ops:>9}",
+                f"{p_ms / b_ms:>6.1f}x {ops:>9} {d_ms:>13.3f}",
                 flush=True,
             )
+    if args.profile:
+        profile_passes(args, args.budgets[0], args.profile)
+
+
+def profile_passes(args, budget: int, passes: int) -> None:
+    """Where a pass's host time goes: cProfile over ``passes`` one-request passes."""
+    import cProfile
+    import pstats
+
+    config, pool, kv_len = setup(args, budget, 1)
+    profiler = cProfile.Profile()
+    for repeat in range(passes + 1):
+        fill_rows(pool, 1, kv_len, args.page_size, seed=repeat)
+        sync(args.device)
+        if repeat:  # the first warms up
+            profiler.enable()
+        time_batched(args, config, pool, kv_len, 1)
+        profiler.disable()
+    print(f"\ncProfile, {passes} passes of one due request, budget {budget}:")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -1,55 +1,81 @@
-"""Real SGLang engine with the plugin, on a GPU: eviction on vs off, side by side.
+"""SGLang's real engine on a GPU: decode step time with eviction on vs off, side by side.
 
-For each page size, starts ``sglang.Engine`` (radix cache on, overlap scheduler on) in a
-child process three times over the same random-weight Llama and prompts:
+Starts ``sglang.Engine`` (radix cache on, overlap scheduler on, CUDA graphs on) three
+times over the same model and prompts, one engine at a time, in the project's engine
+host process (``sglang_evict.srt.engine_runner``):
 
     plain   SGLang as shipped (no --radix-cache-backend)
-    off     --radix-cache-backend sglang-evict, budget larger than any request (no-op)
-    on      --radix-cache-backend sglang-evict, evicting (default budget 256)
+    off     --radix-cache-backend sglang-evict, budget larger than any request (no pass)
+    on      --radix-cache-backend sglang-evict, evicting (--budget, --cadence)
 
-and reports, from SGLang's own decode log lines (``#running-req: N, #token: T``), the
-peak KV tokens in use per running request, output agreement of plain vs off, the
-attention backend each engine chose, and decode throughput ratios measured in the
-same run. Needs a GPU machine with SGLang 0.5.17 (and its CUDA kernels) installed, and the
-project installed there with ``pip install --no-deps --no-build-isolation -e .``::
+Decode step time is read off SGLang's own decode log line, written after every step
+(``decode_log_interval=1``): ``gen throughput`` is the tokens generated since the last
+line over the time since it, so one step of N running requests took N / throughput.
+Steps count only while all ``--batch`` requests run (the steady state); prompt lengths
+are spread over [in_len/2, 3 in_len/2] so requests fall due at different steps, as in
+a server. The plugin's pass lines (``SGLANG_EVICT_LOG_PASSES=1``) give the passes, the
+due requests per pass and each pass's host time. Each mode generates ``--repeats``
+times; the figures are the median over the repeats of each repeat's mean.
 
     . .gpu_carry/env.sh && python3 -m pip install -q --no-deps --no-build-isolation -e . \\
       && python3 benches/engine_eviction.py --model /tmp/llama_rand --page-size 16
 
-CPU machines cannot start the engine (its CUDA kernels do not load there).
+CPU machines cannot start the engine with these settings (SGLang's CUDA kernels);
+``--smoke`` runs a tiny configuration on SGLang's CPU engine with the project's model
+(``--device cpu``), which checks the script, not the timing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import random
 import re
-import subprocess
+import statistics
 import sys
+import time
+from pathlib import Path
 
-DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+), #token: (\d+)")
-RESULT_PREFIX = "ENGINE_RESULT "
-
-
-def peak_tokens_per_request(log: str) -> tuple[int, float]:
-    """(peak ``#token``, peak ``#token / #running-req``) over SGLang's decode log lines."""
-    peak_tokens, peak_per_request = 0, 0.0
-    for running, tokens in DECODE_LINE.findall(log):
-        running_count, token_count = int(running), int(tokens)
-        peak_tokens = max(peak_tokens, token_count)
-        if running_count:
-            peak_per_request = max(peak_per_request, token_count / running_count)
-    return peak_tokens, peak_per_request
+STEP_LINE = re.compile(
+    r"Decode batch[^#]*#running-req: (\d+), #token: (\d+)[^\n]*?"
+    r"gen throughput \(token/s\): ([0-9.]+)"
+)
 
 
-def child(args: argparse.Namespace) -> None:
-    """One engine: generate, print a JSON result line (runs in its own process)."""
-    import random
-    import time
+def decode_step_ms(log: str, batch: int) -> list[float]:
+    """Milliseconds of each decode step that ran ``batch`` requests (one log line per
+    step: the step generated ``batch`` tokens in ``batch / throughput`` seconds)."""
+    steps = []
+    for running, _tokens, throughput in STEP_LINE.findall(log):
+        if int(running) == batch and float(throughput) > 0:
+            steps.append(1e3 * batch / float(throughput))
+    return steps
 
-    import sglang as sgl
 
+def peak_tokens(log: str) -> int:
+    return max((int(t) for _, t, _ in STEP_LINE.findall(log)), default=0)
+
+
+def vocab_size(model: str) -> int:
+    return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+
+
+def prompts_for(batch: int, in_len: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    lengths = [in_len // 2 + (in_len * i) // max(1, batch - 1) for i in range(batch)]
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    if args.device == "cpu":  # checks the script: SGLang's CPU settings, no timing worth reading
+        from sglang_evict.srt.engine_runner import cpu_engine_kwargs
+
+        kwargs = cpu_engine_kwargs(
+            args.model, page_size=args.page_size, max_running_requests=args.batch
+        )
+        if args.no_overlap:
+            kwargs["disable_overlap_schedule"] = True
+        return kwargs
     kwargs = dict(
         model_path=args.model,
         skip_tokenizer_init=True,
@@ -59,98 +85,184 @@ def child(args: argparse.Namespace) -> None:
         page_size=args.page_size,
         random_seed=0,
         log_level="info",
-        decode_log_interval=16,
+        decode_log_interval=1,
+        # SGLang keeps one of max_running_requests back (63 of 64 ran, the last alone
+        # after them): room for the whole batch.
+        max_running_requests=2 * args.batch,
+        cuda_graph_max_bs_decode=args.batch,
+        mem_fraction_static=args.mem_fraction,
     )
     if args.cuda_graph == "off":
         kwargs["disable_cuda_graph"] = True
-    if args.mode != "plain":
-        kwargs["radix_cache_backend"] = "sglang-evict"
-    engine = sgl.Engine(**kwargs)
-    info = engine.get_server_info()
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 32000) for _ in range(args.in_len)] for _ in range(args.n)]
-    params = {"max_new_tokens": args.out_len, "ignore_eos": True, "temperature": 0.0}
-    engine.generate(input_ids=[p[:32] for p in prompts], sampling_params={"max_new_tokens": 8})
-    start = time.perf_counter()
-    outputs = engine.generate(input_ids=prompts, sampling_params=params)
-    elapsed = time.perf_counter() - start
-    engine.shutdown()
-    print(
-        RESULT_PREFIX
-        + json.dumps(
-            {
-                "mode": args.mode,
-                "attention_backend": info.get("attention_backend"),
-                "output_ids": [o["output_ids"] for o in outputs],
-                "tokens_per_s": sum(len(o["output_ids"]) for o in outputs) / elapsed,
-            }
-        ),
-        flush=True,
-    )
+    if args.no_overlap:
+        kwargs["disable_overlap_schedule"] = True
+    return kwargs
 
 
-def run_mode(args: argparse.Namespace, mode: str) -> dict:
-    env = dict(os.environ)
+def policy_for(args: argparse.Namespace, mode: str) -> dict | None:
+    if mode == "plain":
+        return None
     budget = args.budget if mode == "on" else 1 << 30
-    env["SGLANG_EVICT_CONFIG"] = json.dumps(
-        {"kv_budget_tokens": budget, "cadence_tokens": args.cadence, "scorer": args.scorer}
-    )
-    argv = [sys.executable, __file__, "--child", "--mode", mode]
-    argv += [a for a in sys.argv[1:] if a != "--child"]
-    completed = subprocess.run(
-        argv, env=env, capture_output=True, text=True, timeout=args.timeout_s
-    )
-    log = completed.stdout + completed.stderr
-    results = [line for line in log.splitlines() if line.startswith(RESULT_PREFIX)]
-    if completed.returncode != 0 or not results:
-        print(log[-4000:])
-        raise SystemExit(f"engine in mode {mode!r} failed (exit {completed.returncode})")
-    result = json.loads(results[-1][len(RESULT_PREFIX) :])
-    result["peak_tokens"], result["peak_tokens_per_request"] = peak_tokens_per_request(log)
-    return result
+    return {
+        "kv_budget_tokens": budget,
+        "cadence_tokens": args.cadence,
+        "scorer": args.scorer,
+        "compaction": args.compaction,
+        "window_tokens": args.window,
+    }
 
 
-def main() -> None:
+def run_mode(args: argparse.Namespace, mode: str, log_dir: Path) -> dict:
+    from sglang_evict.srt.engine_runner import EngineProcess
+
+    vocab = vocab_size(args.model)
+    prompts = prompts_for(args.batch, args.in_len, vocab)
+    sampling = {"max_new_tokens": args.out_len, "ignore_eos": True, "temperature": 0.0}
+    log_path = log_dir / f"engine_{mode}.log"
+    log_path.unlink(missing_ok=True)
+    with EngineProcess(engine_kwargs(args), policy=policy_for(args, mode), log_path=log_path) as e:
+        info = e.server_info()
+        warm = [[(7 * i + j) % (vocab - 3) + 3 for j in range(32)] for i in range(args.batch)]
+        e.generate(warm, {"max_new_tokens": 16, "ignore_eos": True})  # compiles, captures
+        repeats, outputs = [], None
+        for _ in range(args.repeats):
+            e.flush_cache()  # every repeat prefills its prompts afresh
+            mark = e.mark()
+            start = time.perf_counter()
+            outputs = e.generate(prompts, sampling)
+            wall_s = time.perf_counter() - start
+            log = e.log_since(mark)
+            steps = decode_step_ms(log, args.batch)
+            passes = parse_passes(log)
+            repeats.append(
+                {
+                    "wall_s": wall_s,
+                    "tokens_per_s": sum(len(o["output_ids"]) for o in outputs) / wall_s,
+                    "steps": len(steps),
+                    "step_ms_mean": statistics.fmean(steps) if steps else float("nan"),
+                    "step_ms_p50": statistics.median(steps) if steps else float("nan"),
+                    "step_ms_p99": _percentile(steps, 0.99),
+                    "peak_tokens": peak_tokens(log),
+                    **passes,
+                }
+            )
+        state = e.plugin_state()
+    summary = {
+        key: statistics.median(r[key] for r in repeats)
+        for key in repeats[0]
+        if isinstance(repeats[0][key], (int, float))
+    }
+    return {
+        "mode": mode,
+        "attention_backend": info.get("attention_backend"),
+        "max_total_num_tokens": info.get("max_total_num_tokens"),
+        "repeats": repeats,
+        "summary": summary,
+        "output_ids": [o["output_ids"] for o in outputs],
+        "plugin": state,
+    }
+
+
+def parse_passes(log: str) -> dict:
+    from sglang_evict.srt.engine_runner import parse_pass_lines
+
+    records = parse_pass_lines(log)
+    due = [len(r["requests"]) for r in records]
+    host_ms = [r["duration_ms"] for r in records if "duration_ms" in r]
+    return {
+        "pass_steps": len(records),
+        "requests_passed": sum(due),
+        "due_per_pass_mean": statistics.fmean(due) if due else 0.0,
+        "pass_host_ms_mean": statistics.fmean(host_ms) if host_ms else 0.0,
+        "pass_host_ms_per_request": sum(host_ms) / max(1, sum(due)),
+        "pages_freed": sum(q["pages_freed"] for r in records for q in r["requests"]),
+    }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", help="a HF model folder (GPU machine)")
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=64, help="requests running together")
+    parser.add_argument("--in-len", type=int, default=256, help="mean prompt tokens")
+    parser.add_argument("--out-len", type=int, default=2048)
+    parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--cadence", type=int, default=128)
     parser.add_argument("--scorer", default="knorm")
-    parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--in-len", type=int, default=256)
-    parser.add_argument("--out-len", type=int, default=1024)
+    parser.add_argument("--window", type=int, default=128, help="recent tokens always kept")
+    parser.add_argument("--compaction", default="hole_fill", choices=["hole_fill", "repack"])
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cuda-graph", choices=["off", "default"], default="default")
+    parser.add_argument("--no-overlap", action="store_true", help="overlap scheduler off")
     parser.add_argument("--attention-backend", default="triton")
-    parser.add_argument("--timeout-s", type=int, default=540)
+    parser.add_argument("--mem-fraction", type=float, default=0.6)
     parser.add_argument("--modes", default="plain,off,on")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        child(args)
-        return
-    results = {mode: run_mode(args, mode) for mode in args.modes.split(",")}
-    print(
-        f"page size {args.page_size}, {args.n} requests x ({args.in_len} in, {args.out_len} "
-        f"out), budget {args.budget}, cadence {args.cadence}, scorer {args.scorer}"
+    parser.add_argument("--out", default="benches/results/engine_eviction.json")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny run on SGLang's CPU engine with the project's model (checks the script)",
     )
-    print(f"{'mode':<7}{'attention':>12}{'peak #token':>13}{'peak/request':>14}{'tok/s':>9}")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        from sglang_evict.engine_model import ensure_engine_model
+
+        args.device, args.page_size, args.batch, args.repeats = "cpu", 1, 2, 1
+        args.in_len, args.out_len, args.budget, args.cadence = 16, 24, 16, 4
+        args.window = 4
+        args.model = args.model or str(ensure_engine_model())
+    if not args.model:
+        parser.error("--model is required (a HF model folder), unless --smoke")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for mode in args.modes.split(","):
+        results[mode] = run_mode(args, mode, out.parent)
+        print(f"{mode}: {json.dumps(results[mode]['summary'])}", flush=True)
+    print(
+        f"\npage size {args.page_size}, batch {args.batch}, prompts ~{args.in_len} + "
+        f"{args.out_len} out, budget {args.budget}, cadence {args.cadence}, {args.scorer}, "
+        f"{args.compaction}, overlap {'off' if args.no_overlap else 'on'}, CUDA graphs "
+        f"{args.cuda_graph}, {args.repeats} repeats (medians)"
+    )
+    print(
+        f"{'mode':<6}{'backend':>9}{'steps':>7}{'step ms':>9}{'p50':>7}{'p99':>7}"
+        f"{'tok/s':>9}{'peak #token':>12}{'pass steps':>11}{'due/pass':>9}{'host ms/req':>12}"
+    )
     for mode, r in results.items():
+        s = r["summary"]
         print(
-            f"{mode:<7}{r['attention_backend']!s:>12}{r['peak_tokens']:>13}"
-            f"{r['peak_tokens_per_request']:>14.0f}{r['tokens_per_s']:>9.0f}"
+            f"{mode:<6}{r['attention_backend']!s:>9}{s['steps']:>7.0f}{s['step_ms_mean']:>9.3f}"
+            f"{s['step_ms_p50']:>7.3f}{s['step_ms_p99']:>7.3f}{s['tokens_per_s']:>9.0f}"
+            f"{s['peak_tokens']:>12.0f}{s['pass_steps']:>11.0f}{s['due_per_pass_mean']:>9.1f}"
+            f"{s['pass_host_ms_per_request']:>12.3f}"
         )
-    if "plain" in results and "off" in results:
-        same = results["plain"]["output_ids"] == results["off"]["output_ids"]
-        print(f"budget off vs plain SGLang: outputs identical = {same}")
-    if "plain" in results and "on" in results:
-        ratio = results["on"]["tokens_per_s"] / results["plain"]["tokens_per_s"]
-        print(
-            f"throughput on / plain = {ratio:.2f}; peak KV on / plain = "
-            f"{results['on']['peak_tokens'] / max(1, results['plain']['peak_tokens']):.2f}"
-        )
+    summaries = {m: r["summary"] for m, r in results.items()}
+    if "on" in summaries and "off" in summaries:
+        ratio = summaries["on"]["step_ms_mean"] / summaries["off"]["step_ms_mean"]
+        print(f"decode step time, eviction on / off: {ratio:.3f} (goal <= 1.03)")
+    if "off" in summaries and "plain" in summaries:
+        ratio = summaries["off"]["step_ms_mean"] / summaries["plain"]["step_ms_mean"]
+        print(f"decode step time, plugin with budget off / plain SGLang: {ratio:.3f}")
+        same = results["off"]["output_ids"] == results["plain"]["output_ids"]
+        print(f"outputs, budget off vs plain SGLang: identical = {same}")
+    if "on" in summaries and "plain" in summaries:
+        ratio = summaries["on"]["peak_tokens"] / max(1, summaries["plain"]["peak_tokens"])
+        print(f"peak KV tokens, eviction on / plain: {ratio:.2f}")
+    for r in results.values():
+        r.pop("output_ids")
+    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

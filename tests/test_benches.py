@@ -20,15 +20,20 @@ def load(name: str):
     return module
 
 
-def test_engine_script_reads_sglangs_decode_log_lines():
+def test_engine_script_reads_step_times_off_sglangs_decode_log_lines():
     bench = load("engine_eviction")
-    # The format of SGLang 0.5.17's metrics_reporter decode line (#token = KV in use).
+    # The format of SGLang 0.5.17's metrics_reporter decode line (#token = KV in use;
+    # gen throughput: tokens generated since the last line over the time since it).
     log = "\n".join(
         f"[2026-11-22 10:00:0{i}] Decode batch, #running-req: {r}, #token: {t}, "
-        f"token usage: 0.01, cuda graph: True, gen throughput (token/s): 2000.0, #queue-req: 0"
-        for i, (r, t) in enumerate([(4, 1200), (4, 1650), (3, 1500), (0, 0)])
+        f"token usage: 0.01, cuda graph: True, gen throughput (token/s): {g}, #queue-req: 0"
+        for i, (r, t, g) in enumerate(
+            [(4, 1200, 2000.0), (4, 1650, 1000.0), (3, 1500, 3000.0), (0, 0, 0.0)]
+        )
     )
-    assert bench.peak_tokens_per_request(log) == (1650, 500.0)
+    assert bench.decode_step_ms(log, batch=4) == [2.0, 4.0]  # only full-batch steps
+    assert bench.decode_step_ms(log, batch=3) == [1.0]
+    assert bench.peak_tokens(log) == 1650
 
 
 def test_engine_script_help_runs_without_a_gpu():
@@ -108,3 +113,28 @@ def test_memory_bound_bench_runs_in_the_real_engine(tmp_path):
     assert runs["bounded"]["peak_running"] > runs["evict"]["peak_running"]
     assert (tmp_path / "mb.png").stat().st_size > 0
     assert "bounded / plain: mean running" in result.stdout
+
+
+@pytest.mark.engine
+@pytest.mark.engine_group("bench")
+def test_engine_step_time_bench_runs_its_smoke_configuration_in_the_cpu_engine(tmp_path):
+    """``engine_eviction.py --smoke`` (SGLang's CPU engine, the project's model; the GPU
+    run is the real one): passes run, step times are read, the JSON is written."""
+    out = tmp_path / "ee.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHES / "engine_eviction.py"),
+            "--smoke",
+            "--modes", "on",
+            "--out", str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(out.read_text())["results"]["on"]["summary"]
+    assert summary["steps"] > 0 and summary["step_ms_mean"] > 0
+    assert summary["pass_steps"] > 0 and summary["pages_freed"] > 0
+    assert summary["pass_host_ms_per_request"] > 0  # the pass lines carry duration_ms

@@ -1,5 +1,8 @@
 """Scoring kernels against their torch references and the foundation's scorers.
 
+The kernels run on the GPU when there is one, else under Triton's interpreter
+(``tests/kernel_device.py``); references and scorers run on CPU tensors.
+
 Tolerances: float32 accumulation in both; 1e-4 relative / 1e-4 absolute covers the
 different summation orders (and half-precision keys are read exactly as stored).
 """
@@ -23,6 +26,7 @@ from sglang_evict_kernels.scoring import (
     key_pair_scores_reference,
     key_pair_scores_triton,
 )
+from tests.kernel_device import on_host, on_kernel_device
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 
@@ -39,7 +43,7 @@ def pool(num_slots, layers=2, kv_heads=2, head_dim=64, dtype=torch.float32, seed
 def test_key_norms_kernel_matches_reference_and_knorm_scorer(dtype, num_tokens, head_dim):
     k = pool(80, head_dim=head_dim, dtype=dtype)
     slots = torch.randperm(80, generator=torch.Generator().manual_seed(num_tokens))[:num_tokens]
-    got = key_norms_triton(k, slots)
+    got = on_host(key_norms_triton(on_kernel_device(k), on_kernel_device(slots)))
     torch.testing.assert_close(got, key_norms_reference(k, slots), **TOLERANCE)
     keys = torch.stack([b[slots] for b in k])  # what the scorer's view holds
     view = KVView(keys=keys, positions=torch.arange(num_tokens), current_position=num_tokens)
@@ -71,7 +75,11 @@ def test_triattention_from_the_pool_kernel_matches_the_scorer(style, reduction, 
     st = stats(layers, q_heads, head_dim, style)
     scorer = TriAttentionScorer(stats=st, offset_reduction=reduction, head_normalization="none")
     weights = triattention_key_weights(st, position, scorer.offsets)
-    dots, norm_term = key_pair_scores_triton(k, slots, *weights, style)
+    dots, norm_term = on_host(
+        key_pair_scores_triton(
+            on_kernel_device(k), on_kernel_device(slots), *on_kernel_device(weights), style
+        )
+    )
     ref_dots, ref_norm = key_pair_scores_reference(k, slots, *weights, style)
     torch.testing.assert_close(dots, ref_dots, **TOLERANCE)
     torch.testing.assert_close(norm_term, ref_norm, **TOLERANCE)
@@ -83,21 +91,26 @@ def test_triattention_from_the_pool_kernel_matches_the_scorer(style, reduction, 
 
 
 def test_scoring_kernels_refuse_bad_input():
-    k = pool(8)
+    k = on_kernel_device(pool(8))
     with pytest.raises(ValueError, match="outside"):
-        key_norms_triton(k, torch.tensor([8]))
+        key_norms_triton(k, on_kernel_device(torch.tensor([8])))
     with pytest.raises(ValueError, match="int64"):
-        key_norms_triton(k, torch.tensor([1], dtype=torch.int32))
-    weights = torch.zeros(2, 3, 1, 32)  # 3 query heads for 2 kv heads
+        key_norms_triton(k, on_kernel_device(torch.tensor([1], dtype=torch.int32)))
+    weights = on_kernel_device(torch.zeros(2, 3, 1, 32))  # 3 query heads for 2 kv heads
     with pytest.raises(ValueError, match="do not fit"):
         key_pair_scores_triton(
-            k, torch.tensor([1]), weights, weights, torch.zeros(2, 3, 32), "half"
+            k,
+            on_kernel_device(torch.tensor([1])),
+            weights,
+            weights,
+            on_kernel_device(torch.zeros(2, 3, 32)),
+            "half",
         )
 
 
 def test_empty_token_list_gives_empty_scores():
-    k = pool(8)
-    empty = torch.zeros(0, dtype=torch.int64)
+    k = on_kernel_device(pool(8))
+    empty = on_kernel_device(torch.zeros(0, dtype=torch.int64))
     assert key_norms_triton(k, empty).shape == (2, 2, 0)
 
 
@@ -113,7 +126,11 @@ def test_window_logits_kernel_feeds_the_window_scorer_signal(mode, num_tokens):
     queries = torch.randn(
         layers, window, q_heads, head_dim, generator=torch.Generator().manual_seed(4)
     )
-    logits = query_key_logits_triton(k, slots, queries)
+    logits = on_host(
+        query_key_logits_triton(
+            on_kernel_device(k), on_kernel_device(slots), on_kernel_device(queries)
+        )
+    )
     torch.testing.assert_close(logits, query_key_logits_reference(k, slots, queries), **TOLERANCE)
     positions = torch.arange(num_tokens)
     query_positions = torch.arange(num_tokens - window, num_tokens).clamp(min=0)

@@ -165,7 +165,13 @@ def run_passes(
             for r in results
         ]
         free_slots_after = manager.pool.allocator.available_size()
-        log_pass(logged, free_slots_before, free_slots_after, pressure=pressure)
+        log_pass(
+            logged,
+            free_slots_before,
+            free_slots_after,
+            duration_ms=results[0].duration_s * 1e3,
+            pressure=pressure,
+        )
     if _Active.metrics is not None:
         duration_s = results[0].duration_s if results else 0.0
         _Active.metrics.record_batch(results, duration_s, pressure=pressure)

@@ -16,7 +16,8 @@ idle-time check that it holds no per-request state, and an optional log line per
   and warns otherwise.
 * ``SGLANG_EVICT_LOG_PASSES=1``: one JSON log line per decode step with passes
   (``sglang-evict pass {...}``): each request's tokens before/after and pages freed, and
-  the allocator's free slots before and after the pass, read from SGLang's allocator;
+  the allocator's free slots before and after the pass, read from SGLang's allocator,
+  and the pass's host time (``duration_ms``, as ``pass_duration_seconds`` observes it);
   and one per finished request (``sglang-evict request {...}``): its id and the report
   its ``meta_info["sglang_evict"]`` carries (for clients that do not see meta_info,
   such as the OpenAI routes).
@@ -65,7 +66,12 @@ def log_passes_enabled() -> bool:
 
 
 def log_pass(
-    requests: list[dict], free_slots_before: int, free_slots_after: int, *, pressure: bool = False
+    requests: list[dict],
+    free_slots_before: int,
+    free_slots_after: int,
+    *,
+    duration_ms: float,
+    pressure: bool = False,
 ) -> None:
     logger.info(
         "%s%s",
@@ -73,6 +79,7 @@ def log_pass(
         json.dumps(
             {
                 "requests": requests,
+                "duration_ms": round(duration_ms, 4),
                 "free_slots_before": free_slots_before,
                 "free_slots_after": free_slots_after,
                 "pressure": pressure,

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The project's GPU checks, run ON a GPU machine from the repo root (CI has no GPU):
+#
+#   bash scripts/gpu_check.sh tests     # the tests that skip without CUDA, and the kernels compiled for real
+#   bash scripts/gpu_check.sh benches   # bench_pass --device cuda, bench_repack, bench_scoring
+#   bash scripts/gpu_check.sh engine    # benches/engine_eviction.py: SGLang's engine, eviction on vs off
+#   bash scripts/gpu_check.sh tests benches engine   # several parts, in order, one set-up
+#
+# Time limits per step (seconds): TESTS_TIMEOUT_S, ENGINE_TESTS_TIMEOUT_S (0 skips the
+# GPU-backend engine test), BENCH_TIMEOUT_S, ENGINE_TIMEOUT_S; BENCH_PASS_ARGS replaces
+# the default bench_pass sweep's arguments.
+#
+# Needs SGLang 0.5.17 importable there. On a machine that has only torch and Triton
+# (the lent GPU machine), build the carry folder here first and carry it along:
+#   bash ../shared/gpu/build_carry.sh .gpu_carry     # SGLang 0.5.17 and its pins (cp312 wheels)
+#   .whl/: the project's runtime dependencies the image lacks, as cp312 wheels (README, "On a GPU")
+# Logs and result files go to $OUT (or /tmp/gpu_check). Each part is bounded by `timeout`.
+set -uo pipefail
+[ $# -gt 0 ] || { echo "usage: gpu_check.sh tests|benches|engine ..." >&2; exit 2; }
+out=${OUT:-/tmp/gpu_check}
+mkdir -p "$out"
+if [ -f .gpu_carry/env.sh ]; then
+  . .gpu_carry/env.sh
+fi
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, sglang; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__)"
+
+for part in "$@"; do
+case "$part" in
+tests)
+  # The kernels on CUDA tensors (compiled, programs in parallel), the pass under
+  # set_sync_debug_mode("error"), the query ring in CUDA graphs, CUDA IPC to the sidecar.
+  timeout "${TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadgroup -ra \
+    tests/test_kernels_repack.py tests/test_kernels_scoring.py tests/test_batch_pass_hooks.py \
+    tests/test_query_capture.py tests/test_compactor_service.py 2>&1 | tee "$out/pytest_gpu.log"
+  # SGLang's GPU attention backends with query capture inside CUDA-graph replays.
+  [ "${ENGINE_TESTS_TIMEOUT_S:-300}" = 0 ] || timeout "${ENGINE_TESTS_TIMEOUT_S:-300}" python3 -m pytest -q -p no:cacheprovider -n 0 -ra \
+    "tests/test_engine_capture.py::test_gpu_backend_captures_queries_inside_cuda_graph_replays" \
+    2>&1 | tee "$out/pytest_gpu_engine.log"
+  ;;
+benches)
+  t=${BENCH_TIMEOUT_S:-240}
+  # shellcheck disable=SC2086
+  timeout "$t" python3 benches/bench_pass.py --device cuda ${BENCH_PASS_ARGS:---profile 20} 2>&1 \
+    | tee "$out/bench_pass_cuda.txt"
+  if [ -z "${BENCH_PASS_ARGS:-}" ]; then
+    timeout "$t" python3 benches/bench_repack.py 2>&1 | tee "$out/bench_repack.txt"
+    timeout "$t" python3 benches/bench_scoring.py 2>&1 | tee "$out/bench_scoring.txt"
+  fi
+  ;;
+engine)
+  # MODEL_ARGS: make_random_llama.py's shape flags (default: 156M); ENGINE_ARGS: the bench's.
+  model=${MODEL:-/tmp/llama_rand}
+  if [ ! -f "$model/config.json" ]; then
+    python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-} || exit 1
+  fi
+  name=${NAME:-engine_eviction}
+  logs=$(mktemp -d)
+  timeout "${ENGINE_TIMEOUT_S:-540}" python3 benches/engine_eviction.py --model "$model" \
+    --out "$logs/$name.json" ${ENGINE_ARGS:-} 2>&1 | tee "$out/$name.txt"
+  cp "$logs/$name.json" "$out/" 2>/dev/null
+  tar -C "$logs" -czf "$out/$name-logs.tar.gz" .
+  ;;
+*)
+  echo "unknown part $part: tests, benches or engine" >&2
+  exit 2
+  ;;
+esac
+done
