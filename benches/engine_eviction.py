@@ -109,6 +109,7 @@ def policy_for(args: argparse.Namespace, mode: str) -> dict | None:
         "scorer": args.scorer,
         "compaction": args.compaction,
         "window_tokens": args.window,
+        "pass_group_steps": args.pass_group_steps,
     }
 
 
@@ -133,7 +134,7 @@ def run_mode(args: argparse.Namespace, mode: str, log_dir: Path) -> dict:
             wall_s = time.perf_counter() - start
             log = e.log_since(mark)
             steps = decode_step_ms(log, args.batch)
-            passes = parse_passes(log)
+            passes = parse_passes(log, args.pass_group_steps)
             repeats.append(
                 {
                     "wall_s": wall_s,
@@ -163,10 +164,10 @@ def run_mode(args: argparse.Namespace, mode: str, log_dir: Path) -> dict:
     }
 
 
-def parse_passes(log: str) -> dict:
+def parse_passes(log: str, pass_group_steps: int = 1) -> dict:
     from sglang_evict.srt.engine_runner import parse_pass_lines
 
-    records = parse_pass_lines(log)
+    records = [r for r in parse_pass_lines(log) if not r.get("pressure")]
     due = [len(r["requests"]) for r in records]
     host_ms = [r["duration_ms"] for r in records if "duration_ms" in r]
     return {
@@ -176,6 +177,8 @@ def parse_passes(log: str) -> dict:
         "pass_host_ms_mean": statistics.fmean(host_ms) if host_ms else 0.0,
         "pass_host_ms_per_request": sum(host_ms) / max(1, sum(due)),
         "pages_freed": sum(q["pages_freed"] for r in records for q in r["requests"]),
+        # passes on a step the group does not open (must be 0)
+        "passes_off_group": sum(r["decode_step"] % pass_group_steps != 0 for r in records),
     }
 
 
@@ -197,6 +200,12 @@ def main(argv=None) -> int:
     parser.add_argument("--cadence", type=int, default=128)
     parser.add_argument("--scorer", default="knorm")
     parser.add_argument("--window", type=int, default=128, help="recent tokens always kept")
+    parser.add_argument(
+        "--pass-group-steps",
+        type=int,
+        default=1,
+        help="passes on every N-th decode step only (--kv-pass-group-steps)",
+    )
     parser.add_argument("--compaction", default="hole_fill", choices=["hole_fill", "repack"])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cuda-graph", choices=["off", "default"], default="default")
@@ -230,7 +239,8 @@ def main(argv=None) -> int:
     print(
         f"\npage size {args.page_size}, batch {args.batch}, prompts ~{args.in_len} + "
         f"{args.out_len} out, budget {args.budget}, cadence {args.cadence}, {args.scorer}, "
-        f"{args.compaction}, overlap {'off' if args.no_overlap else 'on'}, CUDA graphs "
+        f"{args.compaction}, pass group {args.pass_group_steps} step(s), "
+        f"overlap {'off' if args.no_overlap else 'on'}, CUDA graphs "
         f"{args.cuda_graph}, {args.repeats} repeats (medians)"
     )
     print(

@@ -5,7 +5,7 @@ SGLang reserves for a request the rest of its ``max_new_tokens`` (clipped, and s
 by its ``new_token_ratio`` once running). Under a budget an evicting request never
 holds more than
 
-    peak = max(kv_now, survivors_cap + cadence) + page_size
+    peak = max(kv_now, survivors_cap + cadence + pass_group_steps - 1) + page_size
 
 tokens, where ``survivors_cap = max(budget, lead_end + window)`` is the most a pass
 ever keeps (``sglang_evict.batch_pass.counts``: the protected leading range
@@ -13,6 +13,8 @@ ever keeps (``sglang_evict.batch_pass.counts``: the protected leading range
 once the request holds ``cadence`` tokens more than a pass would keep, so between two
 passes it grows by less than ``cadence``; a step that finds a pass due runs it before
 the step's allocation, and the allocator hands out whole pages (the ``page_size``).
+With ``pass_group_steps`` G > 1, passes run on every G-th step only, so a due request
+may add up to G - 1 more tokens before its pass.
 So the tokens it may still add are ``peak - kv_now``, however long it generates:
 ``growth_tokens``. ``sglang_evict.srt.admission`` puts that figure into SGLang's own
 admission arithmetic.
@@ -38,11 +40,17 @@ def survivors_cap(*, lead_end: int, window_tokens: int, budget: int) -> int:
     return max(budget, lead_end + window_tokens)
 
 
-def growth_tokens(*, kv_len: int, survivors_cap: int, cadence: int, page_size: int) -> int:
+def growth_tokens(
+    *, kv_len: int, survivors_cap: int, cadence: int, page_size: int, pass_group_steps: int = 1
+) -> int:
     """KV tokens a request holding ``kv_len`` may still add (module docstring)."""
-    if kv_len < 0 or cadence < 1 or page_size < 1:
-        raise ValueError(f"kv_len={kv_len}, cadence={cadence}, page_size={page_size}")
-    return max(survivors_cap + cadence - kv_len, 0) + page_size
+    if kv_len < 0 or cadence < 1 or page_size < 1 or pass_group_steps < 1:
+        raise ValueError(
+            f"kv_len={kv_len}, cadence={cadence}, page_size={page_size}, "
+            f"pass_group_steps={pass_group_steps}"
+        )
+    peak_before_page = survivors_cap + cadence + pass_group_steps - 1
+    return max(peak_before_page - kv_len, 0) + page_size
 
 
 def bounded_new_tokens(sglang_new_tokens: int, growth: int) -> int:

@@ -29,6 +29,14 @@ def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None
         help="tokens kept after a pass",
     )
     parser.add_argument("--kv-cadence", type=int, default=128, help="tokens between passes")
+    parser.add_argument(
+        "--kv-pass-group-steps",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run passes on every N-th decode step only, one pass for every request due "
+        "since the last (fewer, larger passes; a request may hold N-1 more tokens)",
+    )
     parser.add_argument("--kv-sink-tokens", type=int, default=4, help="attention sinks kept")
     parser.add_argument("--kv-protected-tokens", type=int, default=0, help="e.g. system prompt")
     parser.add_argument("--kv-window", type=int, default=128, help="recent tokens always kept")
@@ -201,6 +209,7 @@ def config_from_args(args: argparse.Namespace) -> EvictionConfig:
     return EvictionConfig(
         kv_budget_tokens=args.kv_budget,
         cadence_tokens=args.kv_cadence,
+        pass_group_steps=args.kv_pass_group_steps,
         sink_tokens=args.kv_sink_tokens,
         protected_tokens=args.kv_protected_tokens,
         window_tokens=args.kv_window,

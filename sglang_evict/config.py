@@ -26,6 +26,7 @@ from sglang_evict.planner import STRATEGIES as COMPACTION_STRATEGIES  # one defi
 # Ranges a config must stay inside; errors quote them.
 MAX_SINK_TOKENS = 1 << 16
 MAX_PAGE_SIZE = 1 << 12
+MAX_PASS_GROUP_STEPS = 1 << 12  # decode steps a due request may wait for its pass
 # SGLang's request-to-token rows and the plugin's position table are int32.
 MAX_REQUEST_TOKENS = (1 << 31) - 1
 COMPACTORS = ("inprocess", "grpc")
@@ -109,6 +110,11 @@ class EvictionConfig:
         pressure_passes: when a decode step cannot allocate, compact the most
             evictable requests early before SGLang retracts any (default on;
             ``--kv-no-pressure-passes`` turns it off).
+        pass_group_steps: passes run on every ``pass_group_steps``-th decode step
+            only; a request that falls due in between waits for the next one (growing
+            by up to ``pass_group_steps - 1`` more tokens, which bounded admission
+            counts), so one pass serves every request due in the group. 1 (default):
+            a pass at every step with a due request (``--kv-pass-group-steps``).
 
     How per-head scores combine into one keep-set per request is a scorer parameter
     (``head_normalization``, ``head_reduction``; see ``sglang_evict.scorers.base``).
@@ -143,6 +149,7 @@ class EvictionConfig:
     request_allow_disable: bool = False
     admission: str = "bounded"
     pressure_passes: bool = True
+    pass_group_steps: int = 1
     _scorer: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -178,6 +185,7 @@ class EvictionConfig:
                 raise ValueError(f"unknown {name} {value!r}; known: {list(known)}")
         if not isinstance(self.pressure_passes, bool):
             raise ValueError(f"pressure_passes must be true or false, got {self.pressure_passes!r}")
+        _require_int("pass_group_steps", self.pass_group_steps, 1, MAX_PASS_GROUP_STEPS)
         _require_int("compactor_timeout_ms", self.compactor_timeout_ms, 1)
         self._check_compactor_transport()
         _require_int("lease_ttl_ms", self.lease_ttl_ms, 1)

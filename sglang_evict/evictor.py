@@ -154,6 +154,7 @@ class EvictionManager:
     states: dict[str, RequestState] = field(default_factory=dict)
     # The requests' captured queries, by request-pool row (query-reading scorers).
     query_ring: QueryRing | None = None
+    decode_steps: int = 0  # decode steps counted by ``open_pass_step``
 
     def __post_init__(self) -> None:
         if self.config.page_size != self.pool.page_size:
@@ -326,6 +327,13 @@ class EvictionManager:
         No-op on CPU, where every operation completes before the next starts."""
         if self.forward_stream is not None and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).wait_stream(self.forward_stream)
+
+    def open_pass_step(self) -> bool:
+        """Count a decode step; whether its due requests' passes run now: on every
+        ``pass_group_steps``-th step (``EvictionConfig.pass_group_steps``), so the
+        requests that fell due since the last one share one pass."""
+        self.decode_steps += 1
+        return self.decode_steps % self.config.pass_group_steps == 0
 
     def run_batch_pass(self, due: Sequence[DueRequest]) -> list[PassResult]:
         """Evict and compact every due request in one pass; one result per request that

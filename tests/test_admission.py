@@ -159,6 +159,28 @@ def test_growth_is_what_is_left_below_the_cap_plus_cadence_and_a_page():
         growth_tokens(kv_len=-1, survivors_cap=64, cadence=16, page_size=1)
 
 
+def test_grouped_passes_let_a_request_grow_the_group_length_less_one_more():
+    grouped = growth_tokens(
+        kv_len=20, survivors_cap=64, cadence=16, page_size=1, pass_group_steps=8
+    )
+    assert grouped == 61 + 7
+    with pytest.raises(ValueError):
+        growth_tokens(kv_len=20, survivors_cap=64, cadence=16, page_size=1, pass_group_steps=0)
+
+
+def test_admission_counts_the_group_length_of_the_server():
+    engine = Engine(page_size=16, config=policy(16, pass_group_steps=8), num_tokens=1024)
+    req = waiting(engine, "w", prompt(1, 40), max_new_tokens=4000)
+    growth = srt_admission.request_growth(engine.cache.evictor, req, kv_len=40, num_shared=0)
+    cap = srt_admission.request_growth(
+        Engine(page_size=16, config=policy(16), num_tokens=1024).cache.evictor,
+        req,
+        kv_len=40,
+        num_shared=0,
+    )
+    assert growth == cap + 7
+
+
 candidates = st.lists(
     st.tuples(st.integers(1, 300), st.integers(0, 20)), min_size=0, max_size=12
 ).map(lambda rows: [PressureCandidate(i, t, p) for i, (t, p) in enumerate(rows)])

@@ -128,6 +128,31 @@ def test_a_prompt_longer_than_the_budget_runs_one_pass_per_cadence(page_size):
         assert result.tokens_after == 136 and result.pages_freed == 16 // page_size
 
 
+def test_grouped_passes_run_on_every_nth_step_and_serve_every_request_due_since():
+    """``pass_group_steps`` 8: passes run on every 8th decode step only, one pass for
+    the requests that fell due since the last (their prompts differ, so they fall due
+    at different steps), and no request holds more than budget + cadence + 7 tokens."""
+    config = policy(1, pass_group_steps=8)
+    engine = Engine(page_size=1, config=config)
+    reqs = [
+        engine.add_request(f"r{i}", [(5 * i + 7 * j) % 500 + 1 for j in range(20 + 3 * i)])
+        for i in range(4)
+    ]
+    manager = engine.cache.evictor
+    steps_with_passes, peak = {}, 0
+    for step in range(120):
+        passes = engine.decode_batch(reqs, [1000 + step] * len(reqs))
+        done = [p for p in passes if p is not None]
+        if done:
+            steps_with_passes[manager.decode_steps] = len(done)
+        peak = max(peak, *(req_kv(r).kv_committed_len for r in reqs))
+        engine.check()
+    assert steps_with_passes and all(step % 8 == 0 for step in steps_with_passes)
+    assert max(steps_with_passes.values()) >= 2  # requests due at different steps, one pass
+    limit = config.kv_budget_tokens + config.cadence_tokens + 8 - 1
+    assert limit - 8 < peak <= limit  # the group's wait is used, and bounded
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA device: not synchronising the host is a property of GPU execution",

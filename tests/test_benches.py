@@ -119,7 +119,8 @@ def test_memory_bound_bench_runs_in_the_real_engine(tmp_path):
 @pytest.mark.engine_group("bench")
 def test_engine_step_time_bench_runs_its_smoke_configuration_in_the_cpu_engine(tmp_path):
     """``engine_eviction.py --smoke`` (SGLang's CPU engine, the project's model; the GPU
-    run is the real one): passes run, step times are read, the JSON is written."""
+    run is the real one): passes run, on every 4th decode step only
+    (``--kv-pass-group-steps 4``), step times are read, the JSON is written."""
     out = tmp_path / "ee.json"
     result = subprocess.run(
         [
@@ -127,6 +128,7 @@ def test_engine_step_time_bench_runs_its_smoke_configuration_in_the_cpu_engine(t
             str(BENCHES / "engine_eviction.py"),
             "--smoke",
             "--modes", "on",
+            "--pass-group-steps", "4",
             "--out", str(out),
         ],
         capture_output=True,
@@ -138,3 +140,4 @@ def test_engine_step_time_bench_runs_its_smoke_configuration_in_the_cpu_engine(t
     assert summary["steps"] > 0 and summary["step_ms_mean"] > 0
     assert summary["pass_steps"] > 0 and summary["pages_freed"] > 0
     assert summary["pass_host_ms_per_request"] > 0  # the pass lines carry duration_ms
+    assert summary["passes_off_group"] == 0

@@ -40,6 +40,7 @@ def test_config_and_its_scorer_params_are_frozen():
         (dict(scorer="window", scorer_params={"mode": "all"}), r"unknown window mode 'all'"),
         (dict(scorer="triattention"), r"needs stats_path \(--kv-scorer-stats\)"),
         (dict(evict_prompt="yes"), r"evict_prompt must be true or false"),
+        (dict(pass_group_steps=0), r"pass_group_steps=0 is out of range; allowed: \[1, 4096\]"),
     ],
 )
 def test_invalid_configs_name_the_field_and_the_allowed_values(overrides, message):

@@ -556,6 +556,12 @@ def test_admission_values_reach_the_server_command(render):
     assert "--kv-no-pressure-passes" in args
 
 
+def test_pass_group_steps_reach_the_server_command_only_when_above_one(render):
+    assert "--kv-pass-group-steps" not in server_argv(render("defaults"))
+    args = server_argv(render({"eviction": {"kvPassGroupSteps": 16}}))
+    assert flag_value(args, "--kv-pass-group-steps") == "16"
+
+
 def test_large_integers_are_not_rendered_in_float_notation(render):
     args = server_argv(render({"eviction": {"kvBudget": 1_000_000}}))
     assert flag_value(args, "--kv-budget") == "1000000"

@@ -85,7 +85,11 @@ def request_growth(manager, req, *, kv_len: int, num_shared: int) -> int | None:
         lead_end=counts.lead_end, window_tokens=config.window_tokens, budget=policy.kv_budget_tokens
     )
     return growth_tokens(
-        kv_len=kv_len, survivors_cap=cap, cadence=policy.cadence_tokens, page_size=config.page_size
+        kv_len=kv_len,
+        survivors_cap=cap,
+        cadence=policy.cadence_tokens,
+        page_size=config.page_size,
+        pass_group_steps=config.pass_group_steps,
     )
 
 

@@ -112,8 +112,12 @@ def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
 
     A pass that fails before anything moved is logged and skipped: the requests keep
     their full KV. Afterwards ``kv_committed_len`` and ``kv.kv_allocated_len`` of each
-    compacted request equal its survivors; token lists are untouched.
+    compacted request equal its survivors; token lists are untouched. With
+    ``pass_group_steps`` > 1 only every that many-th step runs passes (the others cost
+    one counter increment).
     """
+    if not manager.open_pass_step():
+        return []
     return run_passes(manager, batch, due_requests(manager, batch.reqs))
 
 
@@ -170,6 +174,7 @@ def run_passes(
             free_slots_before,
             free_slots_after,
             duration_ms=results[0].duration_s * 1e3,
+            decode_step=manager.decode_steps,
             pressure=pressure,
         )
     if _Active.metrics is not None:

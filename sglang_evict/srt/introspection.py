@@ -17,7 +17,8 @@ idle-time check that it holds no per-request state, and an optional log line per
 * ``SGLANG_EVICT_LOG_PASSES=1``: one JSON log line per decode step with passes
   (``sglang-evict pass {...}``): each request's tokens before/after and pages freed, and
   the allocator's free slots before and after the pass, read from SGLang's allocator,
-  and the pass's host time (``duration_ms``, as ``pass_duration_seconds`` observes it);
+  the pass's host time (``duration_ms``, as ``pass_duration_seconds`` observes it)
+  and the scheduler's decode step count (``decode_step``, ``EvictionManager.decode_steps``);
   and one per finished request (``sglang-evict request {...}``): its id and the report
   its ``meta_info["sglang_evict"]`` carries (for clients that do not see meta_info,
   such as the OpenAI routes).
@@ -71,6 +72,7 @@ def log_pass(
     free_slots_after: int,
     *,
     duration_ms: float,
+    decode_step: int,
     pressure: bool = False,
 ) -> None:
     logger.info(
@@ -80,6 +82,7 @@ def log_pass(
             {
                 "requests": requests,
                 "duration_ms": round(duration_ms, 4),
+                "decode_step": decode_step,
                 "free_slots_before": free_slots_before,
                 "free_slots_after": free_slots_after,
                 "pressure": pressure,

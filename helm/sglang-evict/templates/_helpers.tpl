@@ -206,6 +206,10 @@ only, not SGLang's processes (which take their tracing set-up from their own fla
 - {{ $e.kvBudget | int | quote }}
 - --kv-cadence
 - {{ $e.kvCadence | int | quote }}
+{{- if gt (int ($e.kvPassGroupSteps | default 1)) 1 }}
+- --kv-pass-group-steps
+- {{ $e.kvPassGroupSteps | int | quote }}
+{{- end }}
 - --kv-sink-tokens
 - {{ $e.kvSinkTokens | int | quote }}
 - --kv-protected-tokens
