@@ -53,7 +53,10 @@ def decode_step_ms(log: str, batch: int) -> list[float]:
 
 
 def peak_tokens(log: str) -> int:
-    return max((int(t) for _, t, _ in STEP_LINE.findall(log)), default=0)
+    """The most KV tokens SGLang held at any decode step (its ``#token``)."""
+    from sglang_evict.srt.engine_runner import parse_decode_steps
+
+    return max((step.tokens_held for step in parse_decode_steps(log)), default=0)
 
 
 def vocab_size(model: str) -> int:
