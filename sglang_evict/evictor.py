@@ -89,6 +89,8 @@ from sglang_evict.batch_pass import (
     score_rows,
     select_keep,
 )
+from sglang_evict.batch_pass.counts import PAGE_COUNTS, frozen_length, leading_end
+from sglang_evict.batch_pass.indices import arange
 from sglang_evict.batch_pass.inputs import batch_inputs
 from sglang_evict.config import EvictionConfig
 from sglang_evict.pass_state import (
@@ -252,6 +254,20 @@ class EvictionManager:
             sink_tokens=config.sink_tokens,
             protected_tokens=config.protected_tokens,
             window_tokens=config.window_tokens,
+            evict_prompt=config.evict_prompt,
+        )
+
+    def lead_end(self, kv_len: int, num_shared: int, prompt_len: int) -> int:
+        """``counts(...).lead_end`` alone (admission asks it of every running request
+        at every scheduling round: a few host ints, no counts object)."""
+        config = self.config
+        return leading_end(
+            frozen_len=frozen_length(
+                kv_len=kv_len, num_shared=num_shared, page_size=config.page_size
+            ),
+            prompt_len=prompt_len,
+            sink_tokens=config.sink_tokens,
+            protected_tokens=config.protected_tokens,
             evict_prompt=config.evict_prompt,
         )
 
@@ -475,6 +491,7 @@ class EvictionManager:
                     frozen_len=columns["frozen_len"],
                     max_survivors=max(c.survivors for c in counts),
                     num_released=sum(c.pages_freed for c in counts) + sum(staging_counts),
+                    **{name: columns[name] for name in PAGE_COUNTS},
                 )
                 plan = (
                     plan_repack(plan_inputs, staging, given)
@@ -575,12 +592,9 @@ class EvictionManager:
         wait), then each request's host state. Nothing here can refuse: it matches what
         moved."""
         width = plan.new_row.shape[1]
-        live = torch.arange(width, device=self.device).unsqueeze(0) < columns[
-            "survivors"
-        ].unsqueeze(1)
         rows = columns["row"]
-        self.pool.write_rows(rows, torch.where(live, plan.new_row, rows_raw[:, :width]))
-        table_index = (rows.unsqueeze(1), torch.arange(width, device=self.device).unsqueeze(0))
+        self.pool.write_rows(rows, torch.where(plan.live, plan.new_row, rows_raw[:, :width]))
+        table_index = (rows.unsqueeze(1), arange(width, self.device).unsqueeze(0))
         self.positions_by_row.index_put_(table_index, plan.new_positions.to(torch.int32))
         if self.accumulated_by_row is not None:  # each survivor's score moves with it
             content = plan.content.clamp(max=scores.shape[1] - 1)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -166,3 +167,15 @@ def test_a_long_protected_prompt_keeps_the_cadence():
     assert evicted[136 - 120 + 16] == 16  # 152 tokens: the first pass is due
     over = pass_counts(kv_len=152, **common)
     assert over.protected_over_budget and over.survivors == 136 and over.pages_freed == 1
+
+
+def test_cached_index_vectors_are_views_of_one_arange_that_grows():
+    from sglang_evict.batch_pass.indices import arange
+
+    first = arange(5, "cpu")
+    assert first.tolist() == [0, 1, 2, 3, 4] and first.dtype == torch.int64
+    assert arange(3, torch.device("cpu")).data_ptr() == first.data_ptr()  # one storage
+    long = arange(100_000, "cpu")  # past the cached length: grown, same values
+    assert torch.equal(long, torch.arange(100_000)) and arange(0, "cpu").numel() == 0
+    with pytest.raises(ValueError, match="negative length"):
+        arange(-1, "cpu")

@@ -57,6 +57,30 @@ def test_repack_bench_runs_its_smoke_configuration_on_cpu():
     assert "tri/copy" in header and len(row.split()) == 8
 
 
+@pytest.mark.parametrize("strategy", ["hole_fill", "repack"])
+def test_pass_bench_dispatches_as_many_operations_whatever_the_budget_and_due_requests(strategy):
+    """``bench_pass.py``'s ``ops/pass`` column: the tensor operations one batched pass
+    dispatches (on a GPU, the host's whole share of it) do not grow with the budget or
+    the number of due requests."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHES / "bench_pass.py"),
+            *("--budgets", "256", "1024", "--due", "1", "5", "--cadence", "32"),
+            *("--repeats", "1", "--old-requests", "1", "--strategy", strategy),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert "ops/pass" in lines[1]
+    rows = [line.split() for line in lines[2:]]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(256, 1), (256, 5), (1024, 1), (1024, 5)]
+    assert len({int(r[5]) for r in rows}) == 1, lines
+
+
 def test_scoring_bench_runs_its_smoke_configuration_on_cpu():
     result = subprocess.run(
         [sys.executable, str(BENCHES / "bench_scoring.py"), "--smoke"],

@@ -14,6 +14,9 @@ a pass that costs the host O(1) per request and never waits for the device:
     plan        ``hole_fill`` / ``repack`` for every request as      nothing
                 tensor ops; moves padded with no-op self-moves;
                 released pages as a tensor of host-known length
+    inputs      the padded device inputs: host ints in one packed    nothing
+                copy, rows and positions gathered on the device
+    indices     index vectors as views of one cached ``arange``      nothing
 
 The mechanism (``sglang_evict.evictor.EvictionManager.run_batch_pass``) builds the
 padded inputs from the pool, runs these, moves the slots in one launch and commits.

@@ -107,6 +107,23 @@ class PassCounts:
         return ceil_div(self.survivors - self.frozen_len, self.page_size)
 
 
+def frozen_length(*, kv_len: int, num_shared: int, page_size: int) -> int:
+    """Leading row entries that never move: the shared prefix in whole pages."""
+    return min(ceil_div(num_shared, page_size) * page_size, kv_len)
+
+
+def leading_end(
+    *,
+    frozen_len: int,
+    prompt_len: int,
+    sink_tokens: int,
+    protected_tokens: int,
+    evict_prompt: bool,
+) -> int:
+    """End of the protected leading range ``[0, lead_end)`` (module docstring)."""
+    return max(sink_tokens + protected_tokens, 0 if evict_prompt else prompt_len, frozen_len)
+
+
 def pass_counts(
     *,
     kv_len: int,
@@ -128,9 +145,14 @@ def pass_counts(
             f"page_size >= 1, budget >= 0"
         )
     next_position = kv_len + position_offset
-    frozen_len = min(ceil_div(num_shared, page_size) * page_size, kv_len)
-    prompt_end = 0 if evict_prompt else prompt_len
-    lead_end = max(sink_tokens + protected_tokens, prompt_end, frozen_len)
+    frozen_len = frozen_length(kv_len=kv_len, num_shared=num_shared, page_size=page_size)
+    lead_end = leading_end(
+        frozen_len=frozen_len,
+        prompt_len=prompt_len,
+        sink_tokens=sink_tokens,
+        protected_tokens=protected_tokens,
+        evict_prompt=evict_prompt,
+    )
     lead = min(lead_end, next_position)
     window_start = max(next_position - window_tokens, 0)
     recent = next_position - window_start
@@ -149,6 +171,26 @@ def pass_counts(
         pages_after=ceil_div(survivors, page_size),
         budget=budget,
         page_size=page_size,
+    )
+
+
+# Per-request page counts the batched planners use (``page_counts``), in this order.
+PAGE_COUNTS = ("frozen_pages", "pages_before", "full_pages", "partial_len", "partial_page")
+
+
+def page_counts(*, kv_len: int, survivors: int, frozen_len: int, page_size: int) -> tuple:
+    """Host ints of ``PAGE_COUNTS`` for one request: whole frozen pages, pages before
+    the pass, and the new row's layout past the frozen pages (``full_pages`` whole
+    pages then, when ``partial_len`` > 0, one page holding that many at new-row page
+    ``partial_page``)."""
+    frozen_pages = frozen_len // page_size
+    full_pages, partial_len = divmod(survivors - frozen_len, page_size)
+    return (
+        frozen_pages,
+        ceil_div(kv_len, page_size),
+        full_pages,
+        partial_len,
+        frozen_pages + full_pages,
     )
 
 

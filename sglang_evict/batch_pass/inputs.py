@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sglang_evict.batch_pass.counts import PassCounts, ceil_div
+from sglang_evict.batch_pass.counts import PAGE_COUNTS, PassCounts, ceil_div, page_counts
+from sglang_evict.batch_pass.indices import arange
 from sglang_evict.scorers.base import BatchKVView
 from sglang_evict_kernels import device_int64
 
@@ -30,6 +31,7 @@ COLUMNS = (
     "offset_after",  # position offset after the pass
     "staging",  # staging pages given (repack)
     "staging_base",  # where they start in the claimed pages
+    *PAGE_COUNTS,  # the planners' page counts (``counts.page_counts``)
 )
 
 
@@ -77,6 +79,12 @@ def batch_inputs(
             c.next_position - c.survivors,
             staging,
             base,
+            *page_counts(
+                kv_len=c.kv_len,
+                survivors=c.survivors,
+                frozen_len=c.frozen_len,
+                page_size=c.page_size,
+            ),
         )
         for row, compacted, c, staging, base in zip(
             row_of_request, compacted_lens, counts, staging_counts, staging_base, strict=True
@@ -89,7 +97,7 @@ def batch_inputs(
     width = min(
         ceil_div(max(c.kv_len for c in counts), page_size) * page_size, positions_by_row.shape[1]
     )
-    index = torch.arange(width, device=device).unsqueeze(0)
+    index = arange(width, device).unsqueeze(0)
     rows_raw = pool.read_rows(columns["row"], width)
     valid = index < columns["kv_len"].unsqueeze(1)
     table = positions_by_row[:, :width].index_select(0, columns["row"]).to(torch.int64)

@@ -51,7 +51,8 @@ import torch
 from torch import Tensor
 
 from compactor_service.plan import CompactionPlan
-from sglang_evict.batch_pass.counts import ceil_div
+from sglang_evict.batch_pass.counts import PAGE_COUNTS, ceil_div, page_counts
+from sglang_evict.batch_pass.indices import arange
 
 _LAST = torch.iinfo(torch.int64).max
 
@@ -70,6 +71,8 @@ class PlanInputs:
         max_survivors: ``max(survivors)`` (host), the new rows' padded width ``K``.
         num_released: pages (slots when ``P == 1``) the allocator gets back, all
             requests together (host): ``sum(pages_freed + staging given)``.
+        frozen_pages, pages_before, full_pages, partial_len, partial_page: int64
+            ``[R]``, each request's ``counts.page_counts`` (host-known, on device).
     """
 
     page_size: int
@@ -81,6 +84,11 @@ class PlanInputs:
     frozen_len: Tensor
     max_survivors: int
     num_released: int
+    frozen_pages: Tensor
+    pages_before: Tensor
+    full_pages: Tensor
+    partial_len: Tensor
+    partial_page: Tensor
 
     @classmethod
     def from_requests(
@@ -108,6 +116,10 @@ class PlanInputs:
             for n, k in zip(kv_lens, survivors, strict=True)
         ]
         staging = num_staging or [0] * len(rows)
+        pages = [
+            page_counts(kv_len=n, survivors=k, frozen_len=f, page_size=page_size)
+            for n, k, f in zip(kv_lens, survivors, frozen_lens, strict=True)
+        ]
         return cls(
             page_size=page_size,
             rows=pad(rows, 0),
@@ -118,6 +130,10 @@ class PlanInputs:
             frozen_len=torch.tensor(frozen_lens),
             max_survivors=max(survivors),
             num_released=sum(freed) + sum(staging),
+            **{
+                name: torch.tensor(column)
+                for name, column in zip(PAGE_COUNTS, zip(*pages, strict=True), strict=True)
+            },
         )
 
 
@@ -138,6 +154,7 @@ class BatchPlan:
         staging_used: bool ``[R, U]``, those the new rows use.
         release: int64, every page (slot when ``P == 1``) the allocator gets back:
             freed pages and unused staging pages (host-known length).
+        live: bool ``[R, K]``, the new-row entries in use (``column < survivors``).
     """
 
     page_size: int
@@ -151,6 +168,7 @@ class BatchPlan:
     staging: Tensor
     staging_used: Tensor
     release: Tensor
+    live: Tensor
 
     def move_counts(self) -> Tensor:
         """int64 ``[R]`` slot copies per request, on the device."""
@@ -202,11 +220,10 @@ def _pad_columns(t: Tensor, width: int, fill) -> Tensor:
 def _flatten_selected(values: Tensor, mask: Tensor, total: int) -> Tensor:
     """``values[mask]`` in row-major order as a tensor of the host-known length
     ``total`` (a boolean index would make the host wait for the count)."""
-    per_row = mask.sum(dim=1)
-    base = (per_row.cumsum(0) - per_row).unsqueeze(1)
-    index = torch.where(mask, base + mask.cumsum(dim=1) - 1, total)
+    flat = mask.reshape(-1)
+    rank = flat.cumsum(0) * flat  # 1-based among the selected; 0: not selected (scratch)
     out = values.new_zeros(total + 1)
-    return out.scatter_(0, index.reshape(-1), values.reshape(-1))[:total]
+    return out.scatter_(0, rank, values.reshape(-1))[1:]
 
 
 class _Grid:
@@ -221,13 +238,15 @@ class _Grid:
         self.rows = _pad_columns(inputs.rows, self.C, 0)
         self.keep = _pad_columns(inputs.keep, self.C, False)
         self.positions = _pad_columns(inputs.positions, self.C, 0)
-        self.page_ids = torch.div(self.rows.view(R, self.NP, P)[:, :, 0], P, rounding_mode="floor")
-        self.j = torch.arange(self.NP, device=self.device).unsqueeze(0)  # row page
-        self.o = torch.arange(P, device=self.device).view(1, 1, P)  # offset in a page
-        self.t = torch.arange(self.K, device=self.device).unsqueeze(0)  # new-row index
-        self.frozen_pages = torch.div(inputs.frozen_len, P, rounding_mode="floor").unsqueeze(1)
-        self.pages_before = torch.div(inputs.kv_len + P - 1, P, rounding_mode="floor").unsqueeze(1)
-        self.candidate = (self.j >= self.frozen_pages) & (self.j < self.pages_before)
+        # Rows are page-structured: a page's first cell holds slot page_id * P (pages
+        # past kv_len hold padding: page 0).
+        self.page_starts = self.rows.view(R, self.NP, P)[:, :, :1]
+        self.page_ids = torch.div(self.page_starts.squeeze(2), P, rounding_mode="floor")
+        self.j = arange(self.NP, self.device).unsqueeze(0)  # row page
+        self.o = arange(P, self.device).view(1, 1, P)  # offset in a page
+        self.t = arange(self.K, self.device).unsqueeze(0)  # new-row index
+        self.frozen_pages = inputs.frozen_pages.unsqueeze(1)
+        self.candidate = (self.j >= self.frozen_pages) & (self.j < inputs.pages_before.unsqueeze(1))
         self.live = self.t < inputs.survivors.unsqueeze(1)
 
     def finish(
@@ -241,19 +260,22 @@ class _Grid:
         staging_given: Tensor,
     ) -> BatchPlan:
         """Moves, positions and released pages from each new entry's old entry
-        (``content``) and slot (``new_row``), both ``[R, K]``."""
-        new_row = torch.where(self.live, new_row, 0)
-        src = torch.where(self.live, self.rows.gather(1, content), 0)
-        released = _flatten_selected(
-            torch.cat([self.page_ids, staging], dim=1),
-            torch.cat([freed, staging_given & ~staging_used], dim=1),
-            inputs.num_released,
-        )
+        (``content``) and slot (``new_row``), both ``[R, K]`` and 0 past the
+        survivors (``live``)."""
+        src = self.rows.gather(1, content) * self.live
+        if staging.shape[1]:
+            released = _flatten_selected(
+                torch.cat([self.page_ids, staging], dim=1),
+                torch.cat([freed, staging_given > staging_used], dim=1),
+                inputs.num_released,
+            )
+        else:
+            released = _flatten_selected(self.page_ids, freed, inputs.num_released)
         return BatchPlan(
             page_size=self.P,
             new_row=new_row,
-            new_positions=torch.where(self.live, self.positions.gather(1, content), 0),
-            content=torch.where(self.live, content, 0),
+            new_positions=self.positions.gather(1, content) * self.live,
+            content=content,
             src=src,
             dst=new_row,
             page_ids=self.page_ids,
@@ -261,6 +283,7 @@ class _Grid:
             staging=staging,
             staging_used=staging_used,
             release=released,
+            live=self.live,
         )
 
 
@@ -269,39 +292,47 @@ def plan_hole_fill(inputs: PlanInputs) -> BatchPlan:
     g = _Grid(inputs)
     P, R, NP, C, K, j, o = g.P, g.R, g.NP, g.C, g.K, g.j, g.o
     alive = g.keep.view(R, NP, P)
-    rest = (inputs.survivors - inputs.frozen_len).unsqueeze(1)
-    full_pages, rem = torch.div(rest, P, rounding_mode="floor"), rest % P
-    # Full pages: the candidates holding most survivors (ties: the earlier page).
-    count = alive.sum(dim=-1)
-    key = torch.where(g.candidate, count * NP + (NP - 1 - j), -1)
-    order = key.argsort(dim=1, descending=True)
-    rank = torch.empty_like(order).scatter_(1, order, j.expand(R, NP).contiguous())
-    full = g.candidate & (rank < full_pages)
-    # The partial page: among the rest, most survivors at offsets < rem.
-    leading = (alive & (o < rem.unsqueeze(2))).sum(dim=-1)
-    key = torch.where(g.candidate & ~full, leading * NP + (NP - 1 - j), -1)
-    partial = (j == key.argmax(dim=1, keepdim=True)) & (rem > 0)
+    rem = inputs.partial_len.unsqueeze(1)
+    # Full pages: the candidates holding most survivors, ties to the earlier page (a
+    # stable sort keeps page order among equal counts). Non-candidates sort last, and
+    # there are at least ``full_pages`` candidates (the non-frozen survivors lie in
+    # them), so the rank alone decides.
+    count = torch.where(g.candidate, alive.sum(dim=-1), -1)
+    rank = count.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
+    full = rank < inputs.full_pages.unsqueeze(1)
+    # The partial page: among the other candidates, most survivors at offsets < rem
+    # (``argmax`` returns the first, i.e. earliest, of equal counts).
+    in_partial = o < rem.unsqueeze(2)  # [R, 1, P]
+    leading = torch.where(g.candidate > full, (alive & in_partial).sum(dim=-1), -1)
+    partial = (j == leading.argmax(dim=1, keepdim=True)) & (rem > 0)
     kept_full = (j < g.frozen_pages) | full  # frozen pages stay whole, in place
-    new_page = torch.where(partial, g.frozen_pages + full_pages, kept_full.cumsum(dim=1) - 1)
-    region = (kept_full.unsqueeze(2) | (partial.unsqueeze(2) & (o < rem.unsqueeze(2)))).view(R, C)
+    new_page = torch.where(partial, inputs.partial_page.unsqueeze(1), kept_full.cumsum(dim=1) - 1)
+    region = (kept_full.unsqueeze(2) | (partial.unsqueeze(2) & in_partial)).view(R, C)
     alive = alive.reshape(R, C)
-    hole, mover = region & ~alive, alive & ~region
-    # The k-th mover (row order) fills the k-th hole (row order).
-    cells = torch.arange(C, device=g.device).unsqueeze(0).expand(R, C)
+    hole, mover = region > alive, alive > region  # bools: a & ~b
+    # The k-th mover (row order) fills the k-th hole (row order): 1-based ranks, 0 for
+    # cells that are neither (column 0 of the lookup is scratch).
+    cells = arange(C, g.device).unsqueeze(0).expand(R, C)
     mover_at = torch.zeros(R, C + 1, dtype=torch.int64, device=g.device)
-    mover_at.scatter_(1, torch.where(mover, mover.cumsum(dim=1) - 1, C), cells)
-    incoming = mover_at.gather(1, torch.where(hole, hole.cumsum(dim=1) - 1, C))
+    mover_at.scatter_(1, mover.cumsum(dim=1) * mover, cells)
+    incoming = mover_at.gather(1, hole.cumsum(dim=1) * hole)
     content_of_cell = torch.where(hole, incoming, cells)
+    slot_of_cell = (g.page_starts + o).view(R, C)
+    # Each kept cell's new-row index (others: scratch column K), both per-cell values
+    # scattered there in one go.
     target = torch.where(region, (new_page.unsqueeze(2) * P + o).view(R, C), K)
-    content = torch.zeros(R, K + 1, dtype=torch.int64, device=g.device)
-    content = content.scatter_(1, target, content_of_cell)[:, :K]
-    slot_of_cell = (g.page_ids.unsqueeze(2) * P + o).view(R, C)
-    new_row = torch.zeros(R, K + 1, dtype=torch.int64, device=g.device)
-    new_row = new_row.scatter_(1, target, slot_of_cell)[:, :K]
-    freed = g.candidate & ~(full | partial)
-    no_staging = torch.zeros(R, 0, dtype=torch.int64, device=g.device)
-    none = no_staging.bool()
-    return g.finish(inputs, content, new_row, freed, no_staging, none, none)
+    placed = torch.zeros(R, K + 1, 2, dtype=torch.int64, device=g.device)
+    placed.scatter_(
+        1,
+        target.unsqueeze(2).expand(R, C, 2),
+        torch.stack([content_of_cell, slot_of_cell], dim=2),
+    )
+    freed = g.candidate > (full | partial)
+    no_staging = g.rows[:, :0]
+    new_row = placed[:, :K, 1].contiguous()  # the moves' targets: flat views of it follow
+    return g.finish(
+        inputs, placed[:, :K, 0], new_row, freed, no_staging, g.keep[:, :0], g.keep[:, :0]
+    )
 
 
 def plan_repack(inputs: PlanInputs, staging: Tensor, staging_given: Tensor) -> BatchPlan:
@@ -313,7 +344,7 @@ def plan_repack(inputs: PlanInputs, staging: Tensor, staging_given: Tensor) -> B
     g = _Grid(inputs)
     P, R, C, K, o, t = g.P, g.R, g.C, g.K, g.o, g.t
     frozen_len = inputs.frozen_len.unsqueeze(1)
-    index = torch.arange(C, device=g.device).unsqueeze(0)
+    index = arange(C, g.device).unsqueeze(0)
     rest = g.keep & (index >= frozen_len)
     by_position = torch.where(rest, g.positions, _LAST).argsort(dim=1)  # rest first
     content = torch.where(
@@ -321,22 +352,24 @@ def plan_repack(inputs: PlanInputs, staging: Tensor, staging_given: Tensor) -> B
     )
     # Each old entry's new index (-1: none), to test pages for reuse.
     new_index = torch.full((R, C + 1), -1, dtype=torch.int64, device=g.device)
-    new_index.scatter_(1, torch.where(g.live, content, C), t.expand(R, K).contiguous())
+    new_index.scatter_(1, torch.where(g.live, content, C), t.expand(R, K))
     new_index = new_index[:, :C]
     # New page u may stay in the old page of its first in-place survivor.
     KP = ceil_div(K, P)
-    in_place = g.live & (content % P == t % P) & (t >= frozen_len)
+    t_offset, t_page = t % P, torch.div(t, P, rounding_mode="floor")
+    in_place = g.live & (content % P == t_offset) & (t >= frozen_len)
     in_place = _pad_columns(in_place, KP * P, False).view(R, KP, P)
     first = in_place.to(torch.uint8).argmax(dim=2, keepdim=True)
     content_pages = _pad_columns(content, KP * P, 0).view(R, KP, P)
     candidate = torch.div(content_pages.gather(2, first).squeeze(2), P, rounding_mode="floor")
-    u = torch.arange(KP, device=g.device).unsqueeze(0)
-    chunk_len = (inputs.survivors.unsqueeze(1) - u * P).clamp(0, P)
+    u = arange(KP, g.device).unsqueeze(0)
+    u_start = u * P
+    chunk_len = (inputs.survivors.unsqueeze(1) - u_start).clamp(0, P)
     cells = (candidate.unsqueeze(2) * P + o).view(R, KP * P)
     alive_there = g.keep.gather(1, cells).view(R, KP, P)
     index_there = new_index.gather(1, cells).view(R, KP, P)
     fits = (
-        (o >= chunk_len.unsqueeze(2)) | ~alive_there | (index_there == u.unsqueeze(2) * P + o)
+        (o >= chunk_len.unsqueeze(2)) | ~alive_there | (index_there == u_start.unsqueeze(2) + o)
     ).all(dim=2)
     built = (u >= g.frozen_pages) & (chunk_len > 0)
     reuse = built & in_place.any(dim=2) & fits
@@ -348,13 +381,15 @@ def plan_repack(inputs: PlanInputs, staging: Tensor, staging_given: Tensor) -> B
         stage_page = torch.zeros_like(stage_rank)
     physical = torch.where(
         u < g.frozen_pages,
-        g.page_ids.gather(1, u.clamp(max=g.NP - 1).expand(R, KP).contiguous()),
+        g.page_ids.gather(1, u.clamp(max=g.NP - 1).expand(R, KP)),
         torch.where(reuse, g.page_ids.gather(1, candidate), stage_page),
     )
-    new_row = physical.gather(1, torch.div(t, P, rounding_mode="floor").expand(R, K)) * P + t % P
-    columns = torch.arange(staging.shape[1], device=g.device).unsqueeze(0)
+    new_row = physical.gather(1, t_page.expand(R, K)) * P + t_offset
+    columns = arange(staging.shape[1], g.device).unsqueeze(0)
     staging_used = columns < build.sum(dim=1, keepdim=True)
     reused = torch.zeros(R, g.NP + 1, dtype=torch.bool, device=g.device)
     reused = reused.scatter_(1, torch.where(reuse, candidate, g.NP), True)[:, : g.NP]
-    freed = g.candidate & ~reused
-    return g.finish(inputs, content, new_row, freed, staging, staging_used, staging_given)
+    freed = g.candidate > reused
+    return g.finish(
+        inputs, content * g.live, new_row * g.live, freed, staging, staging_used, staging_given
+    )

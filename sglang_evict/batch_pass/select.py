@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sglang_evict.batch_pass.indices import arange
+
 _NEVER = torch.iinfo(torch.int64).max
 _LOW_31_BITS = 0x7FFFFFFF
 
@@ -38,8 +40,16 @@ def eviction_keys(scores: Tensor, positions: Tensor) -> Tensor:
 
     ``scores`` float ``[..., N]``, ``positions`` int ``[..., N]`` in ``[0, 2^31)``.
     """
-    scores = scores.float()
-    scores = torch.where(torch.isnan(scores), float("-inf"), scores) + 0.0  # -0.0 -> +0.0
+    return _keys_of(_nan_as_lowest(scores), positions)
+
+
+def _nan_as_lowest(scores: Tensor) -> Tensor:
+    """float32 scores with NaN as ``-inf`` and ``-0.0`` as ``+0.0``."""
+    inf = float("inf")
+    return torch.nan_to_num(scores.float(), nan=-inf, posinf=inf, neginf=-inf) + 0.0
+
+
+def _keys_of(scores: Tensor, positions: Tensor) -> Tensor:
     bits = scores.contiguous().view(torch.int32)
     ordered = torch.where(bits < 0, bits ^ _LOW_31_BITS, bits).to(torch.int64)
     return ordered * (1 << 32) + positions.to(torch.int64)
@@ -72,12 +82,13 @@ def select_keep(
             (host-known; the caller guarantees at least that many candidates).
         max_evicted: ``max(num_evicted)``, known to the host (sizes the ``topk``).
     """
-    candidates = valid & ~protected
-    keys = torch.where(candidates, eviction_keys(scores, positions), _NEVER)
-    num_nonfinite = (candidates & ~torch.isfinite(scores)).sum(dim=1)
+    candidates = valid > protected  # valid and not protected (bools)
+    cleaned = _nan_as_lowest(scores)
+    keys = torch.where(candidates, _keys_of(cleaned, positions), _NEVER)
+    num_nonfinite = (candidates & (cleaned.abs() == float("inf"))).sum(dim=1)
     if max_evicted <= 0:
         return valid.clone(), num_nonfinite
     lowest = torch.topk(keys, max_evicted, dim=1, largest=False, sorted=True).indices
-    chosen = torch.arange(max_evicted, device=keys.device).unsqueeze(0) < num_evicted.unsqueeze(1)
+    chosen = arange(max_evicted, keys.device).unsqueeze(0) < num_evicted.unsqueeze(1)
     evicted = torch.zeros_like(valid).scatter_(1, lowest, chosen)
-    return valid & ~evicted, num_nonfinite
+    return valid > evicted, num_nonfinite

@@ -80,9 +80,9 @@ def request_growth(manager, req, *, kv_len: int, num_shared: int) -> int | None:
     config = manager.config
     # The pass counts' leading range: sinks + protected, the prompt (unless evictable)
     # and the shared prefix in whole pages.
-    counts = manager.counts(req.rid, kv_len, num_shared, len(req.origin_input_ids), policy)
+    lead_end = manager.lead_end(kv_len, num_shared, len(req.origin_input_ids))
     cap = survivors_cap(
-        lead_end=counts.lead_end, window_tokens=config.window_tokens, budget=policy.kv_budget_tokens
+        lead_end=lead_end, window_tokens=config.window_tokens, budget=policy.kv_budget_tokens
     )
     return growth_tokens(
         kv_len=kv_len,

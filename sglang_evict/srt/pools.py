@@ -10,6 +10,7 @@ from torch import Tensor
 
 from compactor_service.cuda_ipc import export_cuda_buffers
 from compactor_service.shared_pool import PoolLayout, create_shared_buffers
+from sglang_evict.batch_pass.indices import arange
 from sglang_evict.srt.versioned import free_page_ids, give_back_pages
 
 
@@ -48,7 +49,7 @@ class SGLangPoolAccess:
         return self.req_to_token[:, :width].index_select(0, rows).to(torch.int64)
 
     def write_rows(self, rows: Tensor, values: Tensor) -> None:
-        columns = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
+        columns = arange(values.shape[1], values.device).unsqueeze(0)
         self.req_to_token.index_put_(
             (rows.unsqueeze(1), columns), values.to(self.req_to_token.dtype)
         )
