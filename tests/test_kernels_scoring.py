@@ -145,3 +145,44 @@ def test_window_logits_kernel_feeds_the_window_scorer_signal(mode, num_tokens):
     expected = WindowScorer(mode=mode).head_scores(view)
     got = weights_from_logits(logits, positions, query_positions, mode, pool_kernel=1)
     torch.testing.assert_close(got, expected, **TOLERANCE)
+
+
+# --- the fused z-score and head reduction of a batched pass --------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "max"])
+@pytest.mark.parametrize(
+    ("layers", "heads", "lengths", "width"),
+    [(1, 1, [5], 5), (2, 3, [7, 300, 0], 300), (3, 2, [513, 1, 260], 600)],
+)
+def test_fused_zscore_reduction_matches_its_reference_and_the_scorers_torch_form(
+    reduction, layers, heads, lengths, width
+):
+    """Rows of different lengths in one padded batch (a request of no tokens, widths
+    past one block of tokens): the two launches equal the torch form the plugin runs
+    on CPU, on every request's own tokens."""
+    from sglang_evict.scorers.base import aggregate_segments
+    from sglang_evict_kernels.normalize import zscore_reduce_reference, zscore_reduce_triton
+
+    g = torch.Generator().manual_seed(width + len(lengths))
+    per_head = torch.randn(layers, heads, len(lengths), width, generator=g) * 3 + 1
+    valid = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    got = on_host(
+        zscore_reduce_triton(on_kernel_device(per_head), on_kernel_device(valid), reduction)
+    )
+    want = zscore_reduce_reference(per_head, valid, reduction)
+    torch.testing.assert_close(got[valid], want[valid], **TOLERANCE)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(want, aggregate_segments(per_head, valid, "zscore", reduction))
+
+
+def test_fused_zscore_reduction_refuses_bad_shapes_and_reductions_clearly():
+    from sglang_evict_kernels.normalize import zscore_reduce_triton
+
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="head_reduction 'median'"):
+        zscore_reduce_triton(torch.zeros(1, 1, 2, 4), valid, "median")
+    with pytest.raises(ValueError, match=r"\[layers, heads, \[2, 4\]\]"):
+        zscore_reduce_triton(torch.zeros(1, 1, 3, 4), valid, "mean")
+    with pytest.raises(ValueError, match="at least one"):
+        zscore_reduce_triton(torch.zeros(0, 1, 2, 4), valid, "mean")

@@ -1,4 +1,5 @@
-"""Kernels of sglang-evict: repack (slot moves across every layer) and scoring.
+"""Kernels of sglang-evict: repack (slot moves across every layer), scoring, and the
+batched pass's fused score normalisation (``normalize``).
 
 Each kernel has a launcher, its device code, and a plain torch reference beside it;
 tests and benchmarks compare against the reference. This package imports neither

@@ -33,6 +33,12 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from sglang_evict_kernels.normalize import (
+    REDUCTIONS,
+    zscore_reduce_triton,
+    zscore_segments_reference,
+)
+
 HEAD_NORMALIZATIONS = ("zscore", "none")
 HEAD_REDUCTIONS = ("mean", "max")
 _ZSCORE_EPS = 1e-6
@@ -218,11 +224,15 @@ class BatchKVView:
 
 
 def aggregate_segments(
-    per_head: Tensor, valid: Tensor, normalization: str, reduction: str
+    per_head: Tensor, valid: Tensor, normalization: str, reduction: str, *, fused: bool = False
 ) -> Tensor:
     """``aggregate_head_scores`` for a padded batch: ``[layers, heads, R, N]`` ->
     float32 ``[R, N]``, each (layer, head) z-normalised per request over that request's
-    own tokens (``valid``); padding neither counts nor matters."""
+    own tokens (``valid``); padding neither counts nor matters. ``fused``: z-score and
+    reduce in two Triton launches (``sglang_evict_kernels.normalize``; where the pass
+    runs pool kernels) instead of the torch form, its reference."""
+    if fused and normalization == "zscore" and reduction in REDUCTIONS:
+        return zscore_reduce_triton(per_head, valid, reduction, _ZSCORE_EPS)
     if per_head.dim() != 4 or per_head.shape[2:] != valid.shape:
         raise ValueError(
             f"per-head scores must be [layers, heads, {list(valid.shape)}], got "
@@ -247,11 +257,7 @@ def zscore_segments(scores: Tensor, valid: Tensor) -> Tensor:
     """``(x - mean) / (std + eps)`` over the last axis, per request: ``scores`` float
     ``[..., R, N]``, mean and (population) std over each request's ``valid`` entries
     only; padding entries come out as anything finite."""
-    mask = valid.to(scores.dtype)
-    count = mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
-    mean = (scores * mask).sum(dim=-1, keepdim=True) / count
-    std = (((scores - mean) * mask).square().sum(dim=-1, keepdim=True) / count).sqrt()
-    return (scores - mean) / (std + _ZSCORE_EPS)
+    return zscore_segments_reference(scores, valid, _ZSCORE_EPS)
 
 
 def aggregate_head_scores(per_head: Tensor, normalization: str, reduction: str) -> Tensor:
@@ -338,7 +344,11 @@ class Scorer:
         if per_head is None:
             return None
         return aggregate_segments(
-            per_head, view.valid, self.head_normalization, self.head_reduction
+            per_head,
+            view.valid,
+            self.head_normalization,
+            self.head_reduction,
+            fused=view.use_pool_kernels,
         )
 
     def aggregate(self, per_head: Tensor) -> Tensor:

@@ -28,11 +28,11 @@ class KNormScorer(Scorer):
         # Norms do not depend on the request: one launch (or one gather) for the batch.
         num_requests, width = view.slots.shape
         flat = view.slots.reshape(-1)
-        if view.use_pool_kernels:
-            norms = -self.pool_head_scores(view.k_buffers, flat, 0, check_slots=False)
+        if view.use_pool_kernels:  # lower norm = keep: the scores are -norms
+            scores = self.pool_head_scores(view.k_buffers, flat, 0, check_slots=False)
         else:
-            norms = view.gather_keys(flat).float().norm(dim=-1).transpose(1, 2)
-        return (-norms).reshape(*norms.shape[:2], num_requests, width)
+            scores = -view.gather_keys(flat).float().norm(dim=-1).transpose(1, 2)
+        return scores.reshape(*scores.shape[:2], num_requests, width)
 
     def head_scores(self, view: KVView) -> Tensor:
         # [layers, tokens, kv_heads] -> [layers, kv_heads, tokens]; lower norm = keep.
