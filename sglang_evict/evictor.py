@@ -486,7 +486,6 @@ class EvictionManager:
                     rows=view.slots,
                     keep=keep,
                     positions=view.positions,
-                    kv_len=columns["kv_len"],
                     survivors=columns["survivors"],
                     frozen_len=columns["frozen_len"],
                     max_survivors=max(c.survivors for c in counts),

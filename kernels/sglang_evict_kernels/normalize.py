@@ -45,12 +45,14 @@ def zscore_reduce_reference(
     per_head: Tensor, valid: Tensor, reduction: str, eps: float = ZSCORE_EPS
 ) -> Tensor:
     """float32 ``[R, N]`` from per-head ``[layers, heads, R, N]`` (module docstring)."""
-    _check(per_head, valid, reduction)
+    check_per_head(per_head, valid, reduction)
     flat = zscore_segments_reference(per_head.float(), valid, eps).reshape(-1, *valid.shape)
     return flat.mean(dim=0) if reduction == "mean" else flat.max(dim=0).values
 
 
-def _check(per_head: Tensor, valid: Tensor, reduction: str) -> None:
+def check_per_head(per_head: Tensor, valid: Tensor, reduction: str) -> None:
+    """Raise ``ValueError`` unless ``per_head`` is ``[layers, heads, *valid.shape]``
+    with at least one (layer, head) and ``reduction`` is one of ``REDUCTIONS``."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown head_reduction {reduction!r}; known: {REDUCTIONS}")
     if (
@@ -132,7 +134,7 @@ def zscore_reduce_triton(
     per_head: Tensor, valid: Tensor, reduction: str, eps: float = ZSCORE_EPS
 ) -> Tensor:
     """Triton ``zscore_reduce_reference``: two launches, no host read of device data."""
-    _check(per_head, valid, reduction)
+    check_per_head(per_head, valid, reduction)
     layers, heads, num_requests, num_tokens = per_head.shape
     scores = per_head.float().contiguous()
     out = torch.empty(num_requests, num_tokens, dtype=torch.float32, device=scores.device)

@@ -66,7 +66,7 @@ class PlanInputs:
         rows: int64 slots of each request's row (page-structured; padding: 0).
         keep: bool survivors (padding: False; every frozen entry must survive).
         positions: int64 logical positions.
-        kv_len, survivors, frozen_len: int64 ``[R]`` (host-known counts, on device);
+        survivors, frozen_len: int64 ``[R]`` (host-known counts, on device);
             ``frozen_len`` is a multiple of ``P``.
         max_survivors: ``max(survivors)`` (host), the new rows' padded width ``K``.
         num_released: pages (slots when ``P == 1``) the allocator gets back, all
@@ -79,7 +79,6 @@ class PlanInputs:
     rows: Tensor
     keep: Tensor
     positions: Tensor
-    kv_len: Tensor
     survivors: Tensor
     frozen_len: Tensor
     max_survivors: int
@@ -125,7 +124,6 @@ class PlanInputs:
             rows=pad(rows, 0),
             keep=pad(keeps, False),
             positions=pad(positions, 0),
-            kv_len=torch.tensor(kv_lens),
             survivors=torch.tensor(survivors),
             frozen_len=torch.tensor(frozen_lens),
             max_survivors=max(survivors),

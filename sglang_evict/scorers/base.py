@@ -35,13 +35,16 @@ from torch import Tensor
 
 from sglang_evict_kernels.normalize import (
     REDUCTIONS,
+    ZSCORE_EPS,
+    check_per_head,
+    zscore_reduce_reference,
     zscore_reduce_triton,
     zscore_segments_reference,
 )
 
 HEAD_NORMALIZATIONS = ("zscore", "none")
-HEAD_REDUCTIONS = ("mean", "max")
-_ZSCORE_EPS = 1e-6
+HEAD_REDUCTIONS = REDUCTIONS
+_ZSCORE_EPS = ZSCORE_EPS
 
 
 @dataclass(frozen=True)
@@ -228,29 +231,19 @@ def aggregate_segments(
 ) -> Tensor:
     """``aggregate_head_scores`` for a padded batch: ``[layers, heads, R, N]`` ->
     float32 ``[R, N]``, each (layer, head) z-normalised per request over that request's
-    own tokens (``valid``); padding neither counts nor matters. ``fused``: z-score and
-    reduce in two Triton launches (``sglang_evict_kernels.normalize``; where the pass
-    runs pool kernels) instead of the torch form, its reference."""
-    if fused and normalization == "zscore" and reduction in REDUCTIONS:
-        return zscore_reduce_triton(per_head, valid, reduction, _ZSCORE_EPS)
-    if per_head.dim() != 4 or per_head.shape[2:] != valid.shape:
-        raise ValueError(
-            f"per-head scores must be [layers, heads, {list(valid.shape)}], got "
-            f"{tuple(per_head.shape)}"
-        )
-    scores = per_head.to(torch.float32)
+    own tokens (``valid``); padding neither counts nor matters. The z-score form is
+    ``sglang_evict_kernels.normalize``'s: its torch reference, or with ``fused`` (where
+    the pass runs pool kernels) its two Triton launches."""
     if normalization == "zscore":
-        scores = zscore_segments(scores, valid)
-    elif normalization != "none":
+        aggregate = zscore_reduce_triton if fused else zscore_reduce_reference
+        return aggregate(per_head, valid, reduction, _ZSCORE_EPS)
+    if normalization != "none":
         raise ValueError(
             f"unknown head_normalization {normalization!r}; known: {HEAD_NORMALIZATIONS}"
         )
-    flat = scores.reshape(-1, *valid.shape)
-    if reduction == "mean":
-        return flat.mean(dim=0)
-    if reduction == "max":
-        return flat.max(dim=0).values
-    raise ValueError(f"unknown head_reduction {reduction!r}; known: {HEAD_REDUCTIONS}")
+    check_per_head(per_head, valid, reduction)
+    flat = per_head.to(torch.float32).reshape(-1, *valid.shape)
+    return flat.mean(dim=0) if reduction == "mean" else flat.max(dim=0).values
 
 
 def zscore_segments(scores: Tensor, valid: Tensor) -> Tensor:
