@@ -14,6 +14,7 @@ from sglang_evict.batch_pass import PlanInputs, plan_hole_fill, plan_repack
 from sglang_evict.batch_pass.counts import ceil_div
 from sglang_evict.planner import check_plan_invariants, plan_compaction
 from sglang_evict_kernels import repack_kv_independent, repack_kv_reference
+from sglang_evict_kernels.repack import copy_independent_moves
 
 STRATEGIES = ["repack", "hole_fill"]
 
@@ -127,6 +128,11 @@ def test_batched_plans_keep_the_invariants_and_free_what_the_reference_frees(bat
         old_slots = row[[entry[int(p)] for p in plan.new_positions[r, : survivors[r]]]]
         for old, new in zip(before, k + v, strict=True):
             assert torch.equal(new[plan.new_row[r, : survivors[r]]], old[old_slots])
+    # The form for devices without the kernel copies every move, self-moves and
+    # padding included, at once: the same buffers, bit for bit.
+    every_move = [b.clone() for b in before]
+    copy_independent_moves(every_move, src, dst)
+    assert all(torch.equal(a, b) for a, b in zip(every_move, k + v, strict=True))
 
 
 def test_independent_repack_skips_padding_moves_like_the_reference():

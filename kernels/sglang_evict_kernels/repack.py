@@ -208,6 +208,14 @@ def repack_kv_triton(
 # --- independent moves from a device plan: no check that reads device data -----------
 
 
+def copy_independent_moves(buffers: Sequence[Tensor], src_slots: Tensor, dst_slots: Tensor) -> None:
+    """``buf[dst] = buf[src]`` per buffer in two tensor operations (every source read
+    before any write, so independent moves need no staging); self-moves are copied too.
+    The torch form of ``repack_kv_independent``; reads no device data on the host."""
+    for buf in buffers:
+        buf.index_copy_(0, dst_slots, buf.index_select(0, src_slots))
+
+
 def repack_kv_independent(
     k_buffers: Sequence[Tensor],
     v_buffers: Sequence[Tensor],
@@ -226,7 +234,10 @@ def repack_kv_independent(
 
     CUDA: one Triton launch (``SKIP_SELF``: a padding move loads its two indices and
     stops). CPU: the self-moves are dropped by a boolean mask (no device to wait for)
-    and the rest are copied with ``index_select``/``index_copy_`` per buffer.
+    and the rest are copied with ``index_select``/``index_copy_`` per buffer. Any other
+    device (``meta`` included): every move is copied, self-moves too, with the same two
+    operations and no host read. A self-move writes back the value it read: no other
+    move reads or writes its slot (independence), and every read precedes every write.
     """
     buffers = [*k_buffers, *v_buffers]
     _check_move_shapes(src_slots, dst_slots)
@@ -234,10 +245,11 @@ def repack_kv_independent(
         return
     device = buffers[0].device
     if device.type != "cuda":
-        real = src_slots != dst_slots
-        src, dst = src_slots[real].to(device), dst_slots[real].to(device)
-        for buf in buffers:  # independent moves: no staging needed
-            buf.index_copy_(0, dst, buf.index_select(0, src))
+        src, dst = src_slots.to(device), dst_slots.to(device)
+        if device.type == "cpu":
+            real = src != dst
+            src, dst = src[real], dst[real]
+        copy_independent_moves(buffers, src, dst)
         return
     for buf in buffers:
         if not buf.is_contiguous() or buf.dim() < 2:

@@ -1,0 +1,174 @@
+"""The batched pass never reads device data on the host, checked on CPU.
+
+On PyTorch's ``meta`` device a tensor has a shape and no data, so every operation that
+would make a GPU pass wait for the device raises there: ``.item()``, ``.tolist()``,
+``bool(tensor)``, ``nonzero``, boolean-mask indexing (its result's shape is data), a
+copy to the host. Running the whole of ``EvictionManager.run_batch_pass`` (counts,
+scoring, selection, planning, the moves, the row writes and the page give-back) on a
+meta pool therefore proves, without a GPU, what
+``tests/test_batch_pass_hooks.py::test_the_pass_never_synchronises_the_host_on_a_gpu``
+proves on one under ``torch.cuda.set_sync_debug_mode("error")``.
+
+What this does not cover: the GPU's own kernels (the pool-reading scorers, the fused
+z-score, the repack launch) cannot run on ``meta``, so the pass takes the torch forms
+it takes on CPU, and the repack takes its torch form for devices without a kernel
+(``repack_kv_independent``); SGLang's memory classes refuse the ``meta`` device, so the
+pool here is a plain-tensor ``KVPoolAccess`` (the SGLang adapter's reads and writes are
+the same two tensor operations, and the GPU test runs them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_evict.batch_pass.counts import ceil_div
+from sglang_evict.config import EvictionConfig
+from sglang_evict.evictor import DueRequest, EvictionManager
+from sglang_evict.query_capture import QueryRing, RingShape
+from sglang_evict.request_policy import RequestPolicy
+
+LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 2, 2, 4, 8
+PROMPT = 24  # tokens; also the radix tree's (shared) prefix of every request
+
+
+class TensorPool:
+    """``KVPoolAccess`` over plain tensors of one device; a free list of page ids."""
+
+    def __init__(self, *, num_pages: int, page_size: int, rows: int, capacity: int, device):
+        slots = num_pages * page_size
+        make = lambda: torch.empty(slots, KV_HEADS, HEAD_DIM, device=device)  # noqa: E731
+        self.page_size = page_size
+        self.k_buffers = [make() for _ in range(LAYERS)]
+        self.v_buffers = [make() for _ in range(LAYERS)]
+        self.req_to_token = torch.empty(rows, capacity, dtype=torch.int32, device=device)
+        self.free = torch.empty(0, dtype=torch.int64, device=device)
+
+    def read_rows(self, rows, width):
+        return self.req_to_token[:, :width].index_select(0, rows).to(torch.int64)
+
+    def write_rows(self, rows, values):
+        columns = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
+        self.req_to_token.index_put_((rows.unsqueeze(1), columns), values.to(torch.int32))
+
+    def gather_keys(self, slots):
+        return torch.stack([b.index_select(0, slots) for b in self.k_buffers])
+
+    def available_pages(self):
+        return self.free.numel()
+
+    def alloc_pages(self, num_pages):
+        if num_pages > self.free.numel():
+            return None
+        pages, self.free = self.free[:num_pages], self.free[num_pages:]
+        return pages
+
+    def release_pages(self, pages):
+        self.free = torch.cat([pages, self.free])
+
+
+def meta_manager(config: EvictionConfig, *, rows: int, capacity: int, spare_pages: int):
+    page_size = config.page_size
+    pool = TensorPool(
+        num_pages=rows * ceil_div(capacity, page_size) + spare_pages + 1,
+        page_size=page_size,
+        rows=rows,
+        capacity=capacity,
+        device="meta",
+    )
+    pool.free = torch.empty(spare_pages, dtype=torch.int64, device="meta")
+    manager = EvictionManager(
+        config=config,
+        pool=pool,
+        compactor=None,
+        num_request_rows=rows,
+        row_capacity=capacity,
+        device="meta",
+    )
+    if manager.scorer.needs_queries:
+        shape = RingShape(
+            num_layers=LAYERS,
+            num_request_rows=rows,
+            window=config.query_window_tokens,
+            num_q_heads=Q_HEADS,
+            head_dim=HEAD_DIM,
+            dtype=torch.float32,
+        )
+        manager.query_ring = QueryRing(shape, "meta")
+    return manager, pool
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("compaction", ["hole_fill", "repack"])
+@pytest.mark.parametrize("scorer", ["knorm", "streaming", "window", "rkv", "random"])
+def test_a_pass_on_the_meta_device_reads_no_device_data(page_size, compaction, scorer):
+    """Two passes over three requests of different lengths sharing a prompt prefix,
+    the second over rows the first compacted; the host-known counts hold and the
+    allocator gets exactly the pages each pass reports freed (lengths, known on meta)."""
+    config = EvictionConfig(
+        kv_budget_tokens=64,
+        cadence_tokens=16,
+        sink_tokens=4,
+        window_tokens=16,
+        scorer=scorer,
+        compaction=compaction,
+        page_size=page_size,
+        query_window_tokens=8,
+    )
+    capacity = 256
+    manager, pool = meta_manager(config, rows=4, capacity=capacity, spare_pages=64)
+    shared = ceil_div(PROMPT, page_size) * page_size if page_size > 1 else PROMPT
+    lengths = {f"r{r}": 64 + 16 + 8 * r for r in range(3)}
+    for attempt in range(2):
+        due = [
+            DueRequest(rid, r, kv_len, min(shared, PROMPT), PROMPT)
+            for r, (rid, kv_len) in enumerate(lengths.items())
+        ]
+        free_before = pool.available_pages()
+        results = manager.run_batch_pass(due)
+        assert sorted(r.rid for r in results) == sorted(lengths), attempt
+        for result in results:
+            assert result.tokens_after == config.kv_budget_tokens
+            assert result.tokens_evicted == lengths[result.rid] - config.kv_budget_tokens
+        freed = sum(r.pages_freed for r in results)
+        assert freed > 0 and pool.available_pages() == free_before + freed
+        lengths = {rid: config.kv_budget_tokens + 16 + 4 * attempt for rid in lengths}
+
+
+def test_a_pass_of_requests_with_different_scorers_on_the_meta_device():
+    """Per-request policies: rows grouped by scorer, each group scored as its own batch."""
+    config = EvictionConfig(
+        kv_budget_tokens=48,
+        cadence_tokens=16,
+        sink_tokens=4,
+        window_tokens=8,
+        scorer="knorm",
+        page_size=16,
+        query_window_tokens=8,
+    )
+    manager, pool = meta_manager(config, rows=3, capacity=128, spare_pages=16)
+    policy = lambda scorer, budget: RequestPolicy(True, budget, 16, scorer)  # noqa: E731
+    due = [
+        DueRequest("a", 0, 80, 16, PROMPT),
+        DueRequest("b", 1, 96, 16, PROMPT, policy("streaming", 64)),
+        DueRequest("c", 2, 72, 16, PROMPT, policy("knorm", 32)),
+    ]
+    free_before = pool.available_pages()
+    results = {r.rid: r for r in manager.run_batch_pass(due)}
+    assert {rid: r.tokens_after for rid, r in results.items()} == {"a": 48, "b": 64, "c": 32}
+    assert {rid: r.scorer for rid, r in results.items()} == {
+        "a": "knorm",
+        "b": "streaming",
+        "c": "knorm",
+    }
+    freed = sum(r.pages_freed for r in results.values())
+    assert freed > 0 and pool.available_pages() == free_before + freed
+
+
+def test_the_meta_check_catches_a_host_read():
+    """The check can fail: the host read a boolean mask makes raises on ``meta``."""
+    values = torch.empty(8, device="meta")
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        values[values > 0]
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        values.sum().item()
