@@ -7,6 +7,9 @@ host process (``sglang_evict.srt.engine_runner``):
     plain   SGLang as shipped (no --radix-cache-backend)
     off     --radix-cache-backend sglang-evict, budget larger than any request (no pass)
     on      --radix-cache-backend sglang-evict, evicting (--budget, --cadence)
+    on:N    the same with passes on every N-th decode step only (--kv-pass-group-steps
+            N; plain ``on`` takes --pass-group-steps), so one run compares groupings:
+            --modes off,on:1,on:8,on:32
 
 Decode step time is read off SGLang's own decode log line, written after every step
 (``decode_log_interval=1``): ``gen throughput`` is the tokens generated since the last
@@ -102,17 +105,41 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def parse_modes(text: str) -> list[str]:
+    """``--modes``: comma-separated ``plain``, ``off``, ``on`` or ``on:N`` (N >= 1), each
+    at most once; raises ``ValueError`` naming the bad one."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    for mode in modes:
+        name, _, group = mode.partition(":")
+        if name in ("plain", "off") and not group:
+            continue
+        if name == "on" and (not group or (group.isdigit() and int(group) >= 1)):
+            continue
+        raise ValueError(
+            f"--modes: {mode!r} is not one of plain, off, on, on:N (N >= 1 decode steps)"
+        )
+    if not modes or len(set(modes)) != len(modes):
+        raise ValueError(f"--modes: give each mode once, at least one: {text!r}")
+    return modes
+
+
+def group_steps(args: argparse.Namespace, mode: str) -> int:
+    """The pass group of ``mode``: N of ``on:N``, else --pass-group-steps."""
+    _, _, group = mode.partition(":")
+    return int(group) if group else args.pass_group_steps
+
+
 def policy_for(args: argparse.Namespace, mode: str) -> dict | None:
     if mode == "plain":
         return None
-    budget = args.budget if mode == "on" else 1 << 30
+    budget = 1 << 30 if mode == "off" else args.budget
     return {
         "kv_budget_tokens": budget,
         "cadence_tokens": args.cadence,
         "scorer": args.scorer,
         "compaction": args.compaction,
         "window_tokens": args.window,
-        "pass_group_steps": args.pass_group_steps,
+        "pass_group_steps": group_steps(args, mode),
     }
 
 
@@ -122,7 +149,7 @@ def run_mode(args: argparse.Namespace, mode: str, log_dir: Path) -> dict:
     vocab = vocab_size(args.model)
     prompts = prompts_for(args.batch, args.in_len, vocab)
     sampling = {"max_new_tokens": args.out_len, "ignore_eos": True, "temperature": 0.0}
-    log_path = log_dir / f"engine_{mode}.log"
+    log_path = log_dir / f"engine_{mode.replace(':', '_group')}.log"
     log_path.unlink(missing_ok=True)
     with EngineProcess(engine_kwargs(args), policy=policy_for(args, mode), log_path=log_path) as e:
         info = e.server_info()
@@ -137,7 +164,7 @@ def run_mode(args: argparse.Namespace, mode: str, log_dir: Path) -> dict:
             wall_s = time.perf_counter() - start
             log = e.log_since(mark)
             steps = decode_step_ms(log, args.batch)
-            passes = parse_passes(log, args.pass_group_steps)
+            passes = parse_passes(log, group_steps(args, mode))
             repeats.append(
                 {
                     "wall_s": wall_s,
@@ -158,6 +185,7 @@ def run_mode(args: argparse.Namespace, mode: str, log_dir: Path) -> dict:
     }
     return {
         "mode": mode,
+        "pass_group_steps": None if mode == "plain" else group_steps(args, mode),
         "attention_backend": info.get("attention_backend"),
         "max_total_num_tokens": info.get("max_total_num_tokens"),
         "repeats": repeats,
@@ -215,7 +243,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-overlap", action="store_true", help="overlap scheduler off")
     parser.add_argument("--attention-backend", default="triton")
     parser.add_argument("--mem-fraction", type=float, default=0.6)
-    parser.add_argument("--modes", default="plain,off,on")
+    parser.add_argument(
+        "--modes", default="plain,off,on", help="plain, off, on, on:N (module docstring)"
+    )
     parser.add_argument("--out", default="benches/results/engine_eviction.json")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument(
@@ -233,43 +263,52 @@ def main(argv=None) -> int:
         args.model = args.model or str(ensure_engine_model())
     if not args.model:
         parser.error("--model is required (a HF model folder), unless --smoke")
+    try:
+        modes = parse_modes(args.modes)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.pass_group_steps < 1:
+        parser.error("--pass-group-steps must be at least 1")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {}
-    for mode in args.modes.split(","):
+    for mode in modes:
         results[mode] = run_mode(args, mode, out.parent)
         print(f"{mode}: {json.dumps(results[mode]['summary'])}", flush=True)
     print(
         f"\npage size {args.page_size}, batch {args.batch}, prompts ~{args.in_len} + "
         f"{args.out_len} out, budget {args.budget}, cadence {args.cadence}, {args.scorer}, "
-        f"{args.compaction}, pass group {args.pass_group_steps} step(s), "
+        f"{args.compaction}, pass group {args.pass_group_steps} step(s) unless on:N, "
         f"overlap {'off' if args.no_overlap else 'on'}, CUDA graphs "
         f"{args.cuda_graph}, {args.repeats} repeats (medians)"
     )
     print(
-        f"{'mode':<6}{'backend':>9}{'steps':>7}{'step ms':>9}{'p50':>7}{'p99':>7}"
-        f"{'tok/s':>9}{'peak #token':>12}{'pass steps':>11}{'due/pass':>9}{'host ms/req':>12}"
+        f"{'mode':<7} {'backend':>12} {'steps':>6} {'step ms':>8} {'p50':>8} {'p99':>8} "
+        f"{'tok/s':>8} {'peak #token':>11} {'pass steps':>10} {'due/pass':>8} {'host ms/req':>11}"
     )
     for mode, r in results.items():
         s = r["summary"]
         print(
-            f"{mode:<6}{r['attention_backend']!s:>9}{s['steps']:>7.0f}{s['step_ms_mean']:>9.3f}"
-            f"{s['step_ms_p50']:>7.3f}{s['step_ms_p99']:>7.3f}{s['tokens_per_s']:>9.0f}"
-            f"{s['peak_tokens']:>12.0f}{s['pass_steps']:>11.0f}{s['due_per_pass_mean']:>9.1f}"
-            f"{s['pass_host_ms_per_request']:>12.3f}"
+            f"{mode:<7} {r['attention_backend']!s:>12} {s['steps']:>6.0f} "
+            f"{s['step_ms_mean']:>8.3f} {s['step_ms_p50']:>8.3f} {s['step_ms_p99']:>8.3f} "
+            f"{s['tokens_per_s']:>8.0f} {s['peak_tokens']:>11.0f} {s['pass_steps']:>10.0f} "
+            f"{s['due_per_pass_mean']:>8.1f} {s['pass_host_ms_per_request']:>11.3f}"
         )
     summaries = {m: r["summary"] for m, r in results.items()}
-    if "on" in summaries and "off" in summaries:
-        ratio = summaries["on"]["step_ms_mean"] / summaries["off"]["step_ms_mean"]
-        print(f"decode step time, eviction on / off: {ratio:.3f} (goal <= 1.03)")
+    for mode in (m for m in modes if m.startswith("on") and "off" in summaries):
+        ratio = summaries[mode]["step_ms_mean"] / summaries["off"]["step_ms_mean"]
+        group = group_steps(args, mode)
+        print(
+            f"decode step time, eviction {mode} (group {group}) / off: {ratio:.3f} (goal <= 1.03)"
+        )
     if "off" in summaries and "plain" in summaries:
         ratio = summaries["off"]["step_ms_mean"] / summaries["plain"]["step_ms_mean"]
         print(f"decode step time, plugin with budget off / plain SGLang: {ratio:.3f}")
         same = results["off"]["output_ids"] == results["plain"]["output_ids"]
         print(f"outputs, budget off vs plain SGLang: identical = {same}")
-    if "on" in summaries and "plain" in summaries:
-        ratio = summaries["on"]["peak_tokens"] / max(1, summaries["plain"]["peak_tokens"])
-        print(f"peak KV tokens, eviction on / plain: {ratio:.2f}")
+    for mode in (m for m in modes if m.startswith("on") and "plain" in summaries):
+        ratio = summaries[mode]["peak_tokens"] / max(1, summaries["plain"]["peak_tokens"])
+        print(f"peak KV tokens, eviction {mode} / plain: {ratio:.2f}")
     for r in results.values():
         r.pop("output_ids")
     out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))

@@ -70,7 +70,7 @@ class _TracerNotRecording:
 _NOT_RECORDING = _TracerNotRecording()
 
 
-def tracer() -> trace.Tracer:
+def tracer() -> trace.Tracer | _TracerNotRecording:
     """The project's tracer: OpenTelemetry's, once a tracer provider is installed in
     the process (SGLang's ``--enable-trace``, ``configure_from_env``); until then one
     whose spans do nothing. Ask again for each span tree (never keep it): the provider

@@ -55,7 +55,9 @@ benches)
   fi
   ;;
 engine)
-  # MODEL_ARGS: make_random_llama.py's shape flags (default: 156M); ENGINE_ARGS: the bench's.
+  # MODEL_ARGS: make_random_llama.py's shape flags (default: 156M); ENGINE_ARGS: the
+  # bench's (default: budget off against eviction with passes on every step and on every
+  # 32nd, one engine each, one repeat: the decode-step goal with and without grouping).
   model=${MODEL:-/tmp/llama_rand}
   if [ ! -f "$model/config.json" ]; then
     python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-} || exit 1
@@ -63,7 +65,7 @@ engine)
   name=${NAME:-engine_eviction}
   logs=$(mktemp -d)
   timeout "${ENGINE_TIMEOUT_S:-540}" python3 benches/engine_eviction.py --model "$model" \
-    --out "$logs/$name.json" ${ENGINE_ARGS:-} 2>&1 | tee "$out/$name.txt"
+    --out "$logs/$name.json" ${ENGINE_ARGS:---modes off,on:1,on:32 --repeats 1} 2>&1 | tee "$out/$name.txt"
   cp "$logs/$name.json" "$out/" 2>/dev/null
   tar -C "$logs" -czf "$out/$name-logs.tar.gz" .
   ;;

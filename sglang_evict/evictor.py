@@ -86,7 +86,7 @@ from sglang_evict.batch_pass import (
     plan_hole_fill,
     plan_repack,
     protected_ranges_mask,
-    score_rows,
+    score_rows_or_fall_back,
     select_keep,
 )
 from sglang_evict.batch_pass.counts import PAGE_COUNTS, frozen_length, leading_end
@@ -460,7 +460,9 @@ class EvictionManager:
         )
         columns, rows_raw, view = inputs.columns, inputs.rows_raw, inputs.view
         with tracer.start_as_current_span(tracing.SPAN_SCORE):
-            scores = score_rows(scorers, view)
+            scores, fell_back = score_rows_or_fall_back(scorers, view)
+            if fell_back:  # a kernel failed on this GPU: the torch forms from now on
+                self.use_pool_kernels = False
             if self.score_reducer is not None:
                 scores = self.score_reducer(scores)
         protected = protected_ranges_mask(

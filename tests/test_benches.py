@@ -36,6 +36,26 @@ def test_engine_script_reads_step_times_off_sglangs_decode_log_lines():
     assert bench.peak_tokens(log) == 1650
 
 
+def test_engine_script_modes_compare_pass_groups_in_one_run(capsys):
+    bench = load("engine_eviction")
+    assert bench.parse_modes("plain,off,on,on:1,on:32") == ["plain", "off", "on", "on:1", "on:32"]
+    args = bench.argparse.Namespace(
+        pass_group_steps=4, budget=512, cadence=64, scorer="knorm", compaction="hole_fill",
+        window=32,
+    )  # fmt: skip
+    assert [bench.group_steps(args, m) for m in ("on", "on:1", "on:32", "off")] == [4, 1, 32, 4]
+    assert bench.policy_for(args, "plain") is None
+    assert bench.policy_for(args, "on:32")["pass_group_steps"] == 32
+    assert bench.policy_for(args, "on:32")["kv_budget_tokens"] == 512
+    assert bench.policy_for(args, "off")["kv_budget_tokens"] > 1 << 20
+    for bad in ("on:0", "on:x", "off:2", "evict", "on,on", ""):
+        with pytest.raises(ValueError, match="--modes"):
+            bench.parse_modes(bad)
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["--model", "/nonexistent", "--modes", bad])
+        assert exit_.value.code == 2 and "--modes" in capsys.readouterr().err
+
+
 def test_engine_script_help_runs_without_a_gpu():
     result = subprocess.run(
         [sys.executable, str(BENCHES / "engine_eviction.py"), "--help"],
@@ -143,16 +163,15 @@ def test_memory_bound_bench_runs_in_the_real_engine(tmp_path):
 @pytest.mark.engine_group("bench")
 def test_engine_step_time_bench_runs_its_smoke_configuration_in_the_cpu_engine(tmp_path):
     """``engine_eviction.py --smoke`` (SGLang's CPU engine, the project's model; the GPU
-    run is the real one): passes run, on every 4th decode step only
-    (``--kv-pass-group-steps 4``), step times are read, the JSON is written."""
+    run is the real one): passes run, on every 4th decode step only (mode ``on:4``:
+    ``--kv-pass-group-steps 4``), step times are read, the JSON is written."""
     out = tmp_path / "ee.json"
     result = subprocess.run(
         [
             sys.executable,
             str(BENCHES / "engine_eviction.py"),
             "--smoke",
-            "--modes", "on",
-            "--pass-group-steps", "4",
+            "--modes", "on:4",
             "--out", str(out),
         ],
         capture_output=True,
@@ -160,7 +179,9 @@ def test_engine_step_time_bench_runs_its_smoke_configuration_in_the_cpu_engine(t
         timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads(out.read_text())["results"]["on"]["summary"]
+    result = json.loads(out.read_text())["results"]["on:4"]
+    assert result["pass_group_steps"] == 4
+    summary = result["summary"]
     assert summary["steps"] > 0 and summary["step_ms_mean"] > 0
     assert summary["pass_steps"] > 0 and summary["pages_freed"] > 0
     assert summary["pass_host_ms_per_request"] > 0  # the pass lines carry duration_ms

@@ -88,3 +88,40 @@ def test_pool_kernel_scoring_keeps_the_same_survivors_as_the_torch_path(scorer, 
         )
         assert len(engine.pass_log) >= 4
     assert kept[0] == kept[1]
+
+
+def test_a_scoring_kernel_that_fails_on_the_gpu_falls_back_to_the_torch_forms(monkeypatch, caplog):
+    """A pool-reading kernel that raises (as a Triton kernel that does not compile for a
+    GPU would, on the host before any device work) costs one error line: that pass and
+    every later one score with the torch forms and keep the same survivors as a run
+    that never asked for the kernels."""
+    from sglang_evict.scorers import base
+
+    calls = []
+
+    def broken_kernel(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("triton: out of resources (simulated)")
+
+    kept = []
+    for use_kernels in (False, True):
+        config = EvictionConfig(
+            kv_budget_tokens=48, cadence_tokens=16, window_tokens=8, scorer="knorm", page_size=16
+        )
+        engine = Engine(page_size=16, config=config)
+        manager = engine.cache.evictor
+        manager.use_pool_kernels = use_kernels
+        if use_kernels:
+            monkeypatch.setattr(base, "zscore_reduce_triton", broken_kernel)
+        req = engine.add_request("a", list(range(8)))
+        with caplog.at_level("ERROR", logger="sglang_evict.batch_pass.scoring"):
+            for step in range(120):
+                engine.decode_step(req, 1000 + step)
+        kept.append(
+            [r.tokens_after for _, r in engine.pass_log] + engine.driver.positions(req).tolist()
+        )
+        assert len(engine.pass_log) >= 4
+    assert kept[0] == kept[1]
+    assert len(calls) == 1 and manager.use_pool_kernels is False
+    failures = [r for r in caplog.records if "scoring kernel failed" in r.getMessage()]
+    assert len(failures) == 1 and "out of resources" in failures[0].getMessage()

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from sglang_evict import evictor as evictor_module
+from sglang_evict.batch_pass import scoring as scoring_module
 from sglang_evict.config import EvictionConfig
 from sglang_evict.reference_loop import GenerationRequest, generate
 from sglang_evict.reference_model import KVBuffers, PagedLlama, build_tiny_llama
@@ -43,14 +43,14 @@ def policy(page_size: int, **overrides) -> EvictionConfig:
 def scored_passes(monkeypatch):
     """Every batched pass's scorer inputs and ``[R, N]`` scores, in order."""
     log = []
-    score_rows = evictor_module.score_rows
+    score_rows = scoring_module.score_rows  # what the pass's scoring step calls
 
     def recording(scorers, view):
         scores = score_rows(scorers, view)
         log.append((view, scores))
         return scores
 
-    monkeypatch.setattr(evictor_module, "score_rows", recording)
+    monkeypatch.setattr(scoring_module, "score_rows", recording)
     return log
 
 

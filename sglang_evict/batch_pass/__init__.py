@@ -26,7 +26,7 @@ references the tests hold these to.
 
 from sglang_evict.batch_pass.counts import PassCounts, batch_strategy, pass_counts
 from sglang_evict.batch_pass.plan import BatchPlan, PlanInputs, plan_hole_fill, plan_repack
-from sglang_evict.batch_pass.scoring import score_batch, score_rows
+from sglang_evict.batch_pass.scoring import score_batch, score_rows, score_rows_or_fall_back
 from sglang_evict.batch_pass.select import protected_ranges_mask, select_keep
 
 __all__ = [
@@ -40,5 +40,6 @@ __all__ = [
     "protected_ranges_mask",
     "score_batch",
     "score_rows",
+    "score_rows_or_fall_back",
     "select_keep",
 ]

@@ -15,6 +15,8 @@ never meet.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +24,8 @@ from torch import Tensor
 
 from sglang_evict.scorers.base import BatchKVView, KVView, Scorer
 from sglang_evict_kernels import device_int64
+
+logger = logging.getLogger(__name__)
 
 
 def request_view(view: BatchKVView, r: int, order: Tensor) -> KVView:
@@ -81,3 +85,23 @@ def score_rows(scorers: Sequence[Scorer], view: BatchKVView) -> Tensor:
         sub = view.select_rows(rows, index)
         out.index_copy_(0, index, score_batch(scorers[rows[0]], sub))
     return out
+
+
+def score_rows_or_fall_back(scorers: Sequence[Scorer], view: BatchKVView) -> tuple[Tensor, bool]:
+    """``(score_rows(scorers, view), False)``; where the pool-reading kernels raise (a
+    Triton kernel that does not compile or launch on this GPU: raised on the host before
+    any of its device work), the torch forms' scores and True, so the caller stops asking
+    for the kernels. Scoring changes no state, so scoring again is safe; a failure of
+    the torch forms propagates (the pass is then skipped before anything moved)."""
+    if not view.use_pool_kernels:
+        return score_rows(scorers, view), False
+    try:
+        return score_rows(scorers, view), False
+    except Exception as error:
+        logger.error(
+            "sglang-evict: a pool-reading scoring kernel failed (%s: %s); this and later "
+            "passes score with the torch forms (same survivors, more device work)",
+            type(error).__name__,
+            error,
+        )
+        return score_rows(scorers, dataclasses.replace(view, use_pool_kernels=False)), True
