@@ -46,48 +46,27 @@ from sglang_evict.evictor import DueRequest, EvictionManager  # noqa: E402
 from sglang_evict.planner import fresh_pages_needed, plan_compaction  # noqa: E402
 from sglang_evict.scorers import KVView  # noqa: E402
 from sglang_evict.selection import protected_mask, select_survivors  # noqa: E402
+from sglang_evict.tensor_pool import TensorPool  # noqa: E402
 from sglang_evict_kernels import repack_kv_reference  # noqa: E402
 
 PROMPT_TOKENS = 64  # also the shared (tree-owned) prefix
 
 
-class BenchPool:
-    """A paged KV pool on plain tensors with both interfaces: the batched pass's
-    ``KVPoolAccess`` and the per-request one the previous path used."""
+class BenchPool(TensorPool):
+    """The plain-tensor pool the batched pass reads (``TensorPool``), random K/V, plus
+    the per-request interface the previous path used."""
 
     def __init__(self, *, num_pages, page_size, rows, capacity, layers, heads, head_dim, device):
-        self.page_size, self.device = page_size, torch.device(device)
         slots = num_pages * page_size
         g = torch.Generator().manual_seed(0)
         make = lambda: torch.randn(slots, heads, head_dim, generator=g).to(device)  # noqa: E731
-        self.k_buffers = [make() for _ in range(layers)]
-        self.v_buffers = [make() for _ in range(layers)]
-        self.req_to_token = torch.zeros(rows, capacity, dtype=torch.int32, device=device)
-        self.num_pages = num_pages
-        self.free = torch.arange(1, num_pages, device=device)
-
-    # the batched pass's interface
-    def read_rows(self, rows, width):
-        return self.req_to_token[:, :width].index_select(0, rows).to(torch.int64)
-
-    def write_rows(self, rows, values):
-        columns = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
-        self.req_to_token.index_put_((rows.unsqueeze(1), columns), values.to(torch.int32))
-
-    def gather_keys(self, slots):
-        return torch.stack([b.index_select(0, slots.to(self.device)) for b in self.k_buffers])
-
-    def available_pages(self):
-        return self.free.numel()
-
-    def alloc_pages(self, num_pages):
-        if num_pages > self.free.numel():
-            return None
-        pages, self.free = self.free[:num_pages], self.free[num_pages:]
-        return pages
-
-    def release_pages(self, pages):
-        self.free = torch.cat([pages.to(self.device), self.free])
+        super().__init__(
+            k_buffers=[make() for _ in range(layers)],
+            v_buffers=[make() for _ in range(layers)],
+            page_size=page_size,
+            rows=rows,
+            capacity=capacity,
+        )
 
     # the previous per-request interface
     def read_row(self, req_pool_idx, length):

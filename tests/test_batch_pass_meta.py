@@ -13,8 +13,8 @@ What this does not cover: the GPU's own kernels (the pool-reading scorers, the f
 z-score, the repack launch) cannot run on ``meta``, so the pass takes the torch forms
 it takes on CPU, and the repack takes its torch form for devices without a kernel
 (``repack_kv_independent``); SGLang's memory classes refuse the ``meta`` device, so the
-pool here is a plain-tensor ``KVPoolAccess`` (the SGLang adapter's reads and writes are
-the same two tensor operations, and the GPU test runs them).
+pool here is ``sglang_evict.tensor_pool.TensorPool`` (the SGLang adapter's reads and
+writes are the same two tensor operations, and the GPU test runs them).
 """
 
 from __future__ import annotations
@@ -27,54 +27,22 @@ from sglang_evict.config import EvictionConfig
 from sglang_evict.evictor import DueRequest, EvictionManager
 from sglang_evict.query_capture import QueryRing, RingShape
 from sglang_evict.request_policy import RequestPolicy
+from sglang_evict.tensor_pool import TensorPool
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 2, 2, 4, 8
 PROMPT = 24  # tokens; also the radix tree's (shared) prefix of every request
 
 
-class TensorPool:
-    """``KVPoolAccess`` over plain tensors of one device; a free list of page ids."""
-
-    def __init__(self, *, num_pages: int, page_size: int, rows: int, capacity: int, device):
-        slots = num_pages * page_size
-        make = lambda: torch.empty(slots, KV_HEADS, HEAD_DIM, device=device)  # noqa: E731
-        self.page_size = page_size
-        self.k_buffers = [make() for _ in range(LAYERS)]
-        self.v_buffers = [make() for _ in range(LAYERS)]
-        self.req_to_token = torch.empty(rows, capacity, dtype=torch.int32, device=device)
-        self.free = torch.empty(0, dtype=torch.int64, device=device)
-
-    def read_rows(self, rows, width):
-        return self.req_to_token[:, :width].index_select(0, rows).to(torch.int64)
-
-    def write_rows(self, rows, values):
-        columns = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
-        self.req_to_token.index_put_((rows.unsqueeze(1), columns), values.to(torch.int32))
-
-    def gather_keys(self, slots):
-        return torch.stack([b.index_select(0, slots) for b in self.k_buffers])
-
-    def available_pages(self):
-        return self.free.numel()
-
-    def alloc_pages(self, num_pages):
-        if num_pages > self.free.numel():
-            return None
-        pages, self.free = self.free[:num_pages], self.free[num_pages:]
-        return pages
-
-    def release_pages(self, pages):
-        self.free = torch.cat([pages, self.free])
-
-
 def meta_manager(config: EvictionConfig, *, rows: int, capacity: int, spare_pages: int):
     page_size = config.page_size
+    slots = (rows * ceil_div(capacity, page_size) + spare_pages + 1) * page_size
+    make = lambda: torch.empty(slots, KV_HEADS, HEAD_DIM, device="meta")  # noqa: E731
     pool = TensorPool(
-        num_pages=rows * ceil_div(capacity, page_size) + spare_pages + 1,
+        k_buffers=[make() for _ in range(LAYERS)],
+        v_buffers=[make() for _ in range(LAYERS)],
         page_size=page_size,
         rows=rows,
         capacity=capacity,
-        device="meta",
     )
     pool.free = torch.empty(spare_pages, dtype=torch.int64, device="meta")
     manager = EvictionManager(

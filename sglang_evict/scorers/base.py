@@ -39,12 +39,10 @@ from sglang_evict_kernels.normalize import (
     check_per_head,
     zscore_reduce_reference,
     zscore_reduce_triton,
-    zscore_segments_reference,
 )
 
 HEAD_NORMALIZATIONS = ("zscore", "none")
 HEAD_REDUCTIONS = REDUCTIONS
-_ZSCORE_EPS = ZSCORE_EPS
 
 
 @dataclass(frozen=True)
@@ -236,7 +234,7 @@ def aggregate_segments(
     the pass runs pool kernels) its two Triton launches."""
     if normalization == "zscore":
         aggregate = zscore_reduce_triton if fused else zscore_reduce_reference
-        return aggregate(per_head, valid, reduction, _ZSCORE_EPS)
+        return aggregate(per_head, valid, reduction, ZSCORE_EPS)
     if normalization != "none":
         raise ValueError(
             f"unknown head_normalization {normalization!r}; known: {HEAD_NORMALIZATIONS}"
@@ -244,13 +242,6 @@ def aggregate_segments(
     check_per_head(per_head, valid, reduction)
     flat = per_head.to(torch.float32).reshape(-1, *valid.shape)
     return flat.mean(dim=0) if reduction == "mean" else flat.max(dim=0).values
-
-
-def zscore_segments(scores: Tensor, valid: Tensor) -> Tensor:
-    """``(x - mean) / (std + eps)`` over the last axis, per request: ``scores`` float
-    ``[..., R, N]``, mean and (population) std over each request's ``valid`` entries
-    only; padding entries come out as anything finite."""
-    return zscore_segments_reference(scores, valid, _ZSCORE_EPS)
 
 
 def aggregate_head_scores(per_head: Tensor, normalization: str, reduction: str) -> Tensor:
@@ -261,7 +252,7 @@ def aggregate_head_scores(per_head: Tensor, normalization: str, reduction: str) 
     if normalization == "zscore":
         mean = scores.mean(dim=-1, keepdim=True)
         std = scores.std(dim=-1, keepdim=True, unbiased=False)
-        scores = (scores - mean) / (std + _ZSCORE_EPS)
+        scores = (scores - mean) / (std + ZSCORE_EPS)
     elif normalization != "none":
         raise ValueError(
             f"unknown head_normalization {normalization!r}; known: {HEAD_NORMALIZATIONS}"

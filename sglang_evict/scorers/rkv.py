@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sglang_evict.scorers.base import BatchKVView, KVView, Scorer, zscore_segments
+from sglang_evict.scorers.base import BatchKVView, KVView, Scorer
 from sglang_evict.scorers.window import batch_window_weights, window_attention_weights
+from sglang_evict_kernels.normalize import zscore_segments_reference
 
 _EPS = 1e-6
 
@@ -90,6 +91,6 @@ class RKVScorer(Scorer):
         importance = weights.reshape(
             num_layers, num_kv_heads, num_q_heads // num_kv_heads, *weights.shape[2:]
         ).mean(dim=2)
-        return self.mix_lambda * zscore_segments(importance, view.valid) - (
+        return self.mix_lambda * zscore_segments_reference(importance, view.valid) - (
             1.0 - self.mix_lambda
-        ) * zscore_segments(redundancy, view.valid)
+        ) * zscore_segments_reference(redundancy, view.valid)
