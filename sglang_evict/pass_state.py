@@ -30,7 +30,14 @@ class KVPoolAccess(Protocol):
         ...
 
     def gather_keys(self, slots: Tensor) -> Tensor:
-        """float ``[layers, len(slots), kv_heads, head_dim]`` cached keys."""
+        """float ``[layers, len(slots), kv_heads, head_dim]`` cached keys (one
+        request's, for scorers without a batched form)."""
+        ...
+
+    def gather_layer_keys(self, layer: int, slots: Tensor) -> Tensor:
+        """float ``[len(slots), kv_heads, head_dim]``: one layer's cached keys. The
+        batched scorers' torch forms read a pass's keys one layer at a time, so their
+        temporary memory is one layer's keys of the pass, not every layer's."""
         ...
 
     def available_pages(self) -> int:

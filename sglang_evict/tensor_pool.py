@@ -39,9 +39,11 @@ class TensorPool:
         columns = arange(values.shape[1], values.device).unsqueeze(0)
         self.req_to_token.index_put_((rows.unsqueeze(1), columns), values.to(torch.int32))
 
+    def gather_layer_keys(self, layer: int, slots: Tensor) -> Tensor:
+        return self.k_buffers[layer].index_select(0, slots.to(self.device)).float()
+
     def gather_keys(self, slots: Tensor) -> Tensor:
-        slots = slots.to(self.device)
-        return torch.stack([b.index_select(0, slots) for b in self.k_buffers])
+        return torch.stack([self.gather_layer_keys(i, slots) for i in range(len(self.k_buffers))])
 
     def available_pages(self) -> int:
         return self.free.numel()

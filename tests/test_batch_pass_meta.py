@@ -21,25 +21,30 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from sglang_evict.batch_pass.counts import ceil_div
 from sglang_evict.config import EvictionConfig
 from sglang_evict.evictor import DueRequest, EvictionManager
 from sglang_evict.query_capture import QueryRing, RingShape
 from sglang_evict.request_policy import RequestPolicy
+from sglang_evict.scorers.knorm import KNormScorer
 from sglang_evict.tensor_pool import TensorPool
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 2, 2, 4, 8
 PROMPT = 24  # tokens; also the radix tree's (shared) prefix of every request
 
 
-def meta_manager(config: EvictionConfig, *, rows: int, capacity: int, spare_pages: int):
+def meta_manager(
+    config: EvictionConfig, *, rows: int, capacity: int, spare_pages: int, layers: int = LAYERS
+):
     page_size = config.page_size
     slots = (rows * ceil_div(capacity, page_size) + spare_pages + 1) * page_size
     make = lambda: torch.empty(slots, KV_HEADS, HEAD_DIM, device="meta")  # noqa: E731
     pool = TensorPool(
-        k_buffers=[make() for _ in range(LAYERS)],
-        v_buffers=[make() for _ in range(LAYERS)],
+        k_buffers=[make() for _ in range(layers)],
+        v_buffers=[make() for _ in range(layers)],
         page_size=page_size,
         rows=rows,
         capacity=capacity,
@@ -55,7 +60,7 @@ def meta_manager(config: EvictionConfig, *, rows: int, capacity: int, spare_page
     )
     if manager.scorer.needs_queries:
         shape = RingShape(
-            num_layers=LAYERS,
+            num_layers=layers,
             num_request_rows=rows,
             window=config.query_window_tokens,
             num_q_heads=Q_HEADS,
@@ -68,11 +73,19 @@ def meta_manager(config: EvictionConfig, *, rows: int, capacity: int, spare_page
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("compaction", ["hole_fill", "repack"])
-@pytest.mark.parametrize("scorer", ["knorm", "streaming", "window", "rkv", "random"])
-def test_a_pass_on_the_meta_device_reads_no_device_data(page_size, compaction, scorer):
+@pytest.mark.parametrize(
+    "scorer", ["knorm", "streaming", "window", "rkv", "random", "knorm/per-request"]
+)
+def test_a_pass_on_the_meta_device_reads_no_device_data(page_size, compaction, scorer, monkeypatch):
     """Two passes over three requests of different lengths sharing a prompt prefix,
     the second over rows the first compacted; the host-known counts hold and the
-    allocator gets exactly the pages each pass reports freed (lengths, known on meta)."""
+    allocator gets exactly the pages each pass reports freed (lengths, known on meta).
+    ``knorm/per-request``: knorm without its batched form, so the pass scores each
+    request's ``KVView`` in turn (the path of scorers without one, e.g. ``triattention``
+    where no pool kernel runs)."""
+    if scorer == "knorm/per-request":
+        monkeypatch.setattr(KNormScorer, "batch_scores", lambda self, view: None)
+        scorer = "knorm"
     config = EvictionConfig(
         kv_budget_tokens=64,
         cadence_tokens=16,
@@ -140,3 +153,54 @@ def test_the_meta_check_catches_a_host_read():
         values[values > 0]
     with pytest.raises((NotImplementedError, RuntimeError)):
         values.sum().item()
+
+
+class LargestOutput(TorchDispatchMode):
+    """Records the most elements any operation's new output holds (its shape: known on
+    ``meta``), and where; views and in-place writes (the moves into the KV buffers)
+    allocate nothing and are left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or any(r.alias_info is not None for r in func._schema.returns):
+            return out
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.numel() > self.numel:
+                self.numel, self.op = leaf.numel(), f"{func} -> {tuple(leaf.shape)}"
+        return out
+
+
+@pytest.mark.parametrize("scorer", ["knorm", "streaming", "window", "rkv"])
+def test_batched_scoring_holds_one_layer_of_keys_at_a_time(scorer):
+    """The torch forms of the batched scorers read the pass's keys one layer at a time
+    (``KVPoolAccess.gather_layer_keys``): no tensor a pass makes is larger than one
+    layer's float keys of the pass, or one layer's window logits (``window``, ``rkv``).
+    Every layer's at once would be ``layers`` times that: on a real model (tens of
+    layers, 64 requests of thousands of tokens) gigabytes on top of the KV pool, on CPU
+    servers and on a GPU whose scoring kernel fell back to the torch forms."""
+    layers, window, rows = 6, 8, 3
+    config = EvictionConfig(
+        kv_budget_tokens=64,
+        cadence_tokens=16,
+        sink_tokens=4,
+        window_tokens=16,
+        scorer=scorer,
+        page_size=16,
+        query_window_tokens=window,
+    )
+    manager, _ = meta_manager(config, rows=rows, capacity=256, spare_pages=64, layers=layers)
+    lengths = [80 + 16 * r for r in range(rows)]
+    due = [DueRequest(f"r{r}", r, n, 16, PROMPT) for r, n in enumerate(lengths)]
+    width = ceil_div(max(lengths), 16) * 16  # the pass's padded row width
+    one_layer_keys = rows * width * KV_HEADS * HEAD_DIM
+    one_layer_logits = rows * Q_HEADS * window * width
+    largest = LargestOutput()
+    with largest:
+        results = manager.run_batch_pass(due)
+    assert [r.tokens_after for r in results] == [64] * rows
+    assert largest.numel <= max(one_layer_keys, one_layer_logits), largest.op
+    assert layers * one_layer_keys > max(one_layer_keys, one_layer_logits)  # the check bites

@@ -324,6 +324,8 @@ SCORER_CASES = [
     pytest.param("window", {"pool_kernel": 5, "head_reduction": "max"}, id="window-pooled-max"),
     pytest.param("rkv", {}, id="rkv"),
     pytest.param("rkv", {"mix_lambda": 0.5, "pool_kernel": 1}, id="rkv-unpooled"),
+    pytest.param("knorm", {}, id="knorm"),
+    pytest.param("random", {"seed": 3}, id="random"),
 ]
 
 

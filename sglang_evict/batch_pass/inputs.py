@@ -121,7 +121,7 @@ def batch_inputs(
         current_positions_host=tuple(c.next_position for c in counts),
         gather_keys=pool.gather_keys,
         use_pool_kernels=use_pool_kernels,
-        gather_layer_keys=getattr(pool, "gather_layer_keys", None),
+        gather_layer_keys=pool.gather_layer_keys,
         queries=None
         if query_ring is None
         else query_ring.window_of(columns["row"], current_positions),

@@ -1,11 +1,13 @@
 """Scores of every due request of a batched pass, ``[R, N]`` on the pool's device.
 
 A scorer with a batched form (``Scorer.batch_scores``: ``knorm`` reads every token's
-key norm in one kernel launch or one gather, ``streaming`` returns the positions,
-``window`` and ``rkv`` read the captured queries of every request at once) scores the
-whole batch at once. The others are scored one request at a time through the scorer's
-own ``score(KVView)``, tokens in logical order as that contract says (``request_view``):
-a loop over requests (not tokens), each a few launches.
+key norm in one kernel launch or one gather per layer, ``streaming`` returns the
+positions, ``window`` and ``rkv`` read the captured queries of every request at once,
+``random`` draws on the host) scores the whole batch at once; the torch forms read keys
+one layer at a time (``BatchKVView.layer_keys``). The others are scored one request at
+a time through the scorer's own ``score(KVView)``, tokens in logical order as that
+contract says (``request_view``): a loop over requests (not tokens), each a few
+launches.
 
 Requests of one pass may have chosen different scorers (a per-request policy):
 ``score_rows`` groups the rows by scorer and scores each group as its own batch

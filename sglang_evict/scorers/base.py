@@ -170,11 +170,12 @@ class BatchKVView:
         valid: bool ``[R, N]``, ``column < lengths[r]``.
         current_positions: int64 ``[R]``, each request's next position.
         lengths, current_positions_host: the same as host ints.
-        gather_keys: ``slots [T] -> float [layers, T, kv_heads, head_dim]``.
-        use_pool_kernels: score with a pool-reading kernel where the scorer has one.
+        gather_keys: ``slots [T] -> float [layers, T, kv_heads, head_dim]`` (one
+            request's keys, for scorers scored one request at a time).
         gather_layer_keys: ``(layer, slots [T]) -> float [T, kv_heads, head_dim]``, one
-            layer's keys (scorers that work a layer at a time); None: from
-            ``gather_keys``.
+            layer's keys: the batched forms read the pass's keys through it, a layer
+            at a time, so their temporary memory is one layer's keys of the pass.
+        use_pool_kernels: score with a pool-reading kernel where the scorer has one.
         queries: the requests' captured queries (``window``, ``rkv``); None: this
             manager has no query ring.
         accumulated_scores: float32 ``[R, N]`` scores carried over from earlier passes
@@ -189,19 +190,15 @@ class BatchKVView:
     lengths: tuple[int, ...]
     current_positions_host: tuple[int, ...]
     gather_keys: Callable[[Tensor], Tensor]
+    gather_layer_keys: Callable[[int, Tensor], Tensor]
     use_pool_kernels: bool = False
-    gather_layer_keys: Callable[[int, Tensor], Tensor] | None = None
     queries: QueryWindow | None = None
     accumulated_scores: Tensor | None = None
 
     def layer_keys(self, layer: int) -> Tensor:
         """float ``[R, N, kv_heads, head_dim]``: one layer's keys of every entry
         (padding entries read slot 0)."""
-        flat = self.slots.reshape(-1)
-        if self.gather_layer_keys is not None:
-            keys = self.gather_layer_keys(layer, flat)
-        else:
-            keys = self.gather_keys(flat)[layer]
+        keys = self.gather_layer_keys(layer, self.slots.reshape(-1))
         return keys.float().view(*self.slots.shape, *keys.shape[1:])
 
     def select_rows(self, rows: Sequence[int], index: Tensor) -> BatchKVView:
