@@ -159,6 +159,27 @@ def test_memory_bound_bench_runs_in_the_real_engine(tmp_path):
     assert "bounded / plain: mean running" in result.stdout
 
 
+def test_pass_memory_bench_runs_its_smoke_configuration_on_cpu():
+    """``bench_pass_memory.py --smoke``: one pass per scorer, each in its own process,
+    prints what it added to the peak resident size; a scorer that needs a query ring is
+    refused by name."""
+    script = str(BENCHES / "bench_pass_memory.py")
+    result = subprocess.run(
+        [sys.executable, script, "--smoke"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["knorm", "streaming", "random"]
+    assert all(float(row[1]) >= 0 and row[2].endswith("x") for row in rows)
+    refused = subprocess.run(
+        [sys.executable, script, "--smoke", "--scorers", "window"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "invalid choice: 'window'" in refused.stderr
+
+
 @pytest.mark.engine
 @pytest.mark.engine_group("bench")
 def test_engine_step_time_bench_runs_its_smoke_configuration_in_the_cpu_engine(tmp_path):
