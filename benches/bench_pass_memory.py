@@ -29,6 +29,7 @@ MiB = 2**20
 def one_pass(args) -> dict:
     """In this process: build a bf16 pool, run one pass, report the peak's growth."""
     import torch
+    from bench_pass import fill_rows  # this script's directory is on the path
 
     from sglang_evict.batch_pass.counts import ceil_div
     from sglang_evict.config import EvictionConfig
@@ -51,12 +52,7 @@ def one_pass(args) -> dict:
         rows=R,
         capacity=kv_len,
     )
-    pages = torch.randperm(num_pages - 1)[: R * pages_per_request] + 1
-    rows = (pages.view(R, -1, 1) * P + torch.arange(P)).reshape(R, -1)[:, :kv_len]
-    pool.req_to_token[:, :kv_len] = rows.to(torch.int32)
-    used = torch.zeros(num_pages, dtype=torch.bool)
-    used[pages], used[0] = True, True
-    pool.free = torch.nonzero(~used)[:, 0]
+    fill_rows(pool, R, kv_len, P, seed=0)  # rows at random pages, the rest free
     config = EvictionConfig(
         kv_budget_tokens=args.budget,
         cadence_tokens=args.cadence,

@@ -36,6 +36,20 @@ LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 2, 2, 4, 8
 PROMPT = 24  # tokens; also the radix tree's (shared) prefix of every request
 
 
+def small_config(**fields) -> EvictionConfig:
+    """Budget 64, cadence 16, 4 sinks, a 16-token window, page 16, an 8-query window;
+    ``fields`` override them."""
+    defaults = dict(
+        kv_budget_tokens=64,
+        cadence_tokens=16,
+        sink_tokens=4,
+        window_tokens=16,
+        page_size=16,
+        query_window_tokens=8,
+    )
+    return EvictionConfig(**{**defaults, **fields})
+
+
 def meta_manager(
     config: EvictionConfig, *, rows: int, capacity: int, spare_pages: int, layers: int = LAYERS
 ):
@@ -86,16 +100,7 @@ def test_a_pass_on_the_meta_device_reads_no_device_data(page_size, compaction, s
     if scorer == "knorm/per-request":
         monkeypatch.setattr(KNormScorer, "batch_scores", lambda self, view: None)
         scorer = "knorm"
-    config = EvictionConfig(
-        kv_budget_tokens=64,
-        cadence_tokens=16,
-        sink_tokens=4,
-        window_tokens=16,
-        scorer=scorer,
-        compaction=compaction,
-        page_size=page_size,
-        query_window_tokens=8,
-    )
+    config = small_config(scorer=scorer, compaction=compaction, page_size=page_size)
     capacity = 256
     manager, pool = meta_manager(config, rows=4, capacity=capacity, spare_pages=64)
     shared = ceil_div(PROMPT, page_size) * page_size if page_size > 1 else PROMPT
@@ -183,15 +188,7 @@ def test_batched_scoring_holds_one_layer_of_keys_at_a_time(scorer):
     layers, 64 requests of thousands of tokens) gigabytes on top of the KV pool, on CPU
     servers and on a GPU whose scoring kernel fell back to the torch forms."""
     layers, window, rows = 6, 8, 3
-    config = EvictionConfig(
-        kv_budget_tokens=64,
-        cadence_tokens=16,
-        sink_tokens=4,
-        window_tokens=16,
-        scorer=scorer,
-        page_size=16,
-        query_window_tokens=window,
-    )
+    config = small_config(scorer=scorer, query_window_tokens=window)
     manager, _ = meta_manager(config, rows=rows, capacity=256, spare_pages=64, layers=layers)
     lengths = [80 + 16 * r for r in range(rows)]
     due = [DueRequest(f"r{r}", r, n, 16, PROMPT) for r, n in enumerate(lengths)]
