@@ -221,12 +221,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from sglang_evict.cli import _use_triton_interpreter_without_gpu
     from sglang_evict.config import EvictionConfig
     from sglang_evict.engine_model import ensure_engine_model
     from sglang_evict.srt.engine_runner import EngineError, EngineProcess, cpu_engine_kwargs
+    from sglang_evict.triton_env import use_triton_interpreter_without_gpu
 
-    _use_triton_interpreter_without_gpu()
+    use_triton_interpreter_without_gpu()
     model_path = ensure_engine_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     prompts = prompts_for(tokenizer, args.requests, args.prompt_tokens)

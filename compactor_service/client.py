@@ -20,13 +20,14 @@ Fallback modes (``--kv-compactor-fallback``):
                in-process: its evicted slots may be partly overwritten, so it cannot
                be abandoned.
 
-Limitation: a sidecar that is alive but past the client's deadline may still be
-running its kernel when the fallback completes the pass; both write the same bytes
-(same plan), but pages freed by the commit could be reused before the late kernel
-ends. The server checks, right before the kernel (after any wait for the pool), that
-the caller is still waiting, and moves nothing otherwise; so only a kernel already
-running when the deadline passes can be late. Set the timeout well above the kernel
-time (``bench_compactor.py`` reports it).
+A call the client gave up on (deadline, broken connection, any failure) is revoked in
+the pool's fence (``compactor_service.fence``) before anything else happens: once
+``revoke`` returns, that call's kernel has either finished or will never start, so the
+in-process completion and the pages it frees cannot be overwritten by a late copy; and
+the fence says which of the two it was, so a call whose kernel never started counts as
+having moved nothing. A pass split over several calls (``split_batch``) whose later
+call fails has moved the earlier calls' slots: it raises ``PassPartlyDone``, which the
+caller completes in-process from the same plans whatever the failure.
 """
 
 from __future__ import annotations
@@ -41,10 +42,23 @@ from dataclasses import dataclass
 
 import grpc
 
-from compactor_service.compactor import Compactor, CompactResult, LeaseClaim, LeaseRefused
+from compactor_service.compactor import (
+    CAUSE_LEASE_STORE_DOWN,
+    CAUSE_METADATA_KEY,
+    CompactionSkipped,
+    Compactor,
+    CompactorUnavailable,
+    CompactResult,
+    LeaseClaim,
+    LeaseRefused,
+    PassPartlyDone,
+    nothing_moved,
+)
+from compactor_service.fence import ClientFence
 from compactor_service.health import check_health
 from compactor_service.plan import CompactionPlan, PlanError
-from compactor_service.shared_pool import PoolLayout
+from compactor_service.redis_leases import LeaseStoreUnavailable
+from compactor_service.shared_pool import DEVICE_CPU, PoolLayout
 from compactor_service.tls import open_channel
 from compactor_service.v1 import compactor_pb2 as pb
 from compactor_service.v1 import compactor_pb2_grpc as pb_grpc
@@ -52,16 +66,15 @@ from compactor_service.wire import claim_to_proto, layout_to_proto, plan_to_prot
 
 logger = logging.getLogger("sglang_evict.compactor.client")
 FALLBACK_MODES = ("inprocess", "skip")
-
-
-class CompactorUnavailable(RuntimeError):
-    """The sidecar did not complete the pass (dead, timed out, restarted). Survivors are
-    intact; the same plans may be completed elsewhere."""
-
-
-class CompactionSkipped(RuntimeError):
-    """The sidecar is down and the fallback mode is ``skip``: nothing was planned to
-    move, the requests keep their full KV."""
+# The contract's failures, defined with it (grpc-free) and re-exported here.
+__all__ = [
+    "CompactionSkipped",
+    "CompactorUnavailable",
+    "FallbackCompactor",
+    "GrpcCompactor",
+    "PassPartlyDone",
+    "nothing_moved",
+]
 
 
 # Statuses of RegisterPool that say the pool itself is refused (a configuration problem:
@@ -125,7 +138,9 @@ class GrpcCompactor:
     registration expired (a refused call moved nothing, so it is retried once after
     re-registering). While registered, a daemon thread renews the registration's lease
     (``Heartbeat``, every third of the lease) so an idle scheduler keeps its pool.
-    ``credentials``: TLS for a TCP target (``tls.channel_credentials``).
+    ``credentials``: TLS for a TCP target (``tls.channel_credentials``). ``fence_dir``:
+    the compactor's pool directory, where the pool's fence file is created (default: the
+    directory of a CPU pool's file; a CUDA pool without it has no fence).
     """
 
     def __init__(
@@ -137,6 +152,7 @@ class GrpcCompactor:
         register_timeout_s: float = 10.0,
         client_id: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        fence_dir: str | os.PathLike | None = None,
     ) -> None:
         from opentelemetry.instrumentation.grpc import client_interceptor
         from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
@@ -157,11 +173,18 @@ class GrpcCompactor:
         self._layout_proto = layout_to_proto(layout)
         self._closed = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        if fence_dir is None and layout.device == DEVICE_CPU:
+            fence_dir = os.path.dirname(layout.k_buffers[0].shm_path)
+        self.fence = ClientFence(fence_dir) if fence_dir is not None else None
 
     def register(self) -> tuple[str, int]:
         try:
             reply = self._stub.RegisterPool(
-                pb.RegisterPoolRequest(layout=self._layout_proto, client_id=self.client_id),
+                pb.RegisterPoolRequest(
+                    layout=self._layout_proto,
+                    client_id=self.client_id,
+                    fence_file=str(self.fence.path) if self.fence is not None else "",
+                ),
                 timeout=self.register_timeout_s,
             )
         except grpc.RpcError as error:
@@ -205,10 +228,32 @@ class GrpcCompactor:
     def compact(
         self, plans: Sequence[CompactionPlan], claim: LeaseClaim | None = None
     ) -> CompactResult:
+        """Send the pass, split into calls within the compactor's limits. A failure of
+        the first call raises what it was (nothing moved unless the fence says its
+        kernel started: ``CompactorUnavailable.moved``); a failure after a call moved
+        slots raises ``PassPartlyDone``. Before every call after the first, the pass's
+        lease is renewed (``claim.renew``): a lease that cannot be renewed is a failure
+        after a call moved slots."""
         if self.pool_id is None:
             self.register()
         messages = [plan_to_proto(p) for p in plans]
-        results = [self._compact_call(chunk, claim) for chunk in split_batch(messages, self.limits)]
+        chunks = split_batch(messages, self.limits)
+        results = []
+        for index, chunk in enumerate(chunks):
+            try:
+                if index and claim is not None and not claim.renewed():
+                    raise LeaseRefused(
+                        f"the pass's lease {claim.resource!r} could not be renewed before "
+                        f"its call {index + 1} of {len(chunks)}"
+                    )
+                results.append(self._compact_call(chunk, claim))
+            except Exception as error:
+                if index == 0:
+                    raise
+                raise PassPartlyDone(
+                    f"call {index + 1} of the {len(chunks)} calls of a split pass failed "
+                    f"after the earlier ones moved slots ({type(error).__name__}: {error})"
+                ) from error
         return CompactResult(
             slots_moved=sum(r.slots_moved for r in results),
             bytes_moved=sum(r.bytes_moved for r in results),
@@ -218,12 +263,19 @@ class GrpcCompactor:
 
     def _compact_call(self, plans: list[pb.Plan], claim: LeaseClaim | None) -> CompactResult:
         for attempt in (0, 1):
+            call_seq = self.fence.next_seq() if self.fence is not None else 0
             request = pb.CompactRequest(
-                pool_id=self.pool_id, epoch=self.epoch, claim=claim_to_proto(claim), plans=plans
+                pool_id=self.pool_id,
+                epoch=self.epoch,
+                claim=claim_to_proto(claim),
+                plans=plans,
+                call_seq=call_seq,
             )
             try:
                 reply = self._stub.Compact(request, timeout=self.timeout_s)
             except grpc.RpcError as error:
+                # Whatever happened, this call's kernel must not start from now on.
+                moved = self.fence.revoke(call_seq) if self.fence is not None else True
                 code = error.code()
                 if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                     # Restarted compactor, expired or replaced registration: nothing moved.
@@ -235,9 +287,14 @@ class GrpcCompactor:
                     raise PlanError(f"the compactor refused the pass: {error.details()}") from None
                 if code == grpc.StatusCode.ABORTED:
                     raise LeaseRefused(error.details()) from None
+                if code == grpc.StatusCode.UNAVAILABLE and _lease_store_down(error):
+                    raise LeaseStoreUnavailable(
+                        f"the compactor's lease store is unreachable: {error.details()}"
+                    ) from None
                 raise CompactorUnavailable(
                     f"the compactor at {self.target} did not complete the pass: "
-                    f"{code.name} {error.details()}"
+                    f"{code.name} {error.details()}",
+                    moved=moved,
                 ) from None
             return CompactResult(
                 slots_moved=reply.slots_moved,
@@ -260,6 +317,8 @@ class GrpcCompactor:
             except grpc.RpcError:
                 pass  # the registration expires anyway
         self._raw_channel.close()
+        if self.fence is not None:
+            self.fence.close()
 
 
 class FallbackCompactor:
@@ -324,18 +383,23 @@ class FallbackCompactor:
                 self._down_since = self._last_probe = self._clock_s()
                 self.fallback_passes += 1
                 logger.error("%s; completing the pass in-process", error)
-                return self.fallback.compact(plans, claim)
+                try:
+                    return self.fallback.compact(plans, claim)
+                except Exception as refusal:
+                    if not error.moved:
+                        raise  # the sidecar moved nothing: the refusal stands
+                    raise PassPartlyDone(
+                        f"the sidecar's call may have moved slots, and the in-process "
+                        f"completion was refused ({type(refusal).__name__}: {refusal})"
+                    ) from refusal
             self.sidecar_passes += 1
             return result
 
 
-def nothing_moved(error: Exception, compactor: Compactor) -> bool:
-    """Whether a failed ``compact`` call provably moved nothing: a refusal the server
-    (or the in-process compactor) makes before any byte moves, from a sidecar that
-    did not fail during the call. Anything else may have moved part of the plan."""
-    if isinstance(error, CompactionSkipped):
-        return True
-    sidecar_up = getattr(compactor, "sidecar_up", True)
-    if isinstance(error, LeaseRefused):
-        return sidecar_up  # down: the sidecar failed first, then the fallback refused
-    return isinstance(error, PlanError)
+def _lease_store_down(error: grpc.RpcError) -> bool:
+    """The compactor said its lease store is down (it moved nothing), as opposed to the
+    compactor itself being unreachable."""
+    metadata = getattr(error, "trailing_metadata", lambda: None)() or ()
+    return any(
+        key == CAUSE_METADATA_KEY and value == CAUSE_LEASE_STORE_DOWN for key, value in metadata
+    )

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -24,6 +25,7 @@ from compactor_service import tracing
 from compactor_service.leases import LeaseStore
 from compactor_service.limits import clip
 from compactor_service.plan import CompactionPlan, PlanError
+from compactor_service.redis_leases import LeaseStoreUnavailable
 from sglang_evict_kernels import repack_kv_reference, repack_kv_triton
 
 KERNEL_TORCH_REFERENCE = "torch-reference"
@@ -52,9 +54,36 @@ class PassAbandoned(TimeoutError):
     late copy could write slots it has already freed."""
 
 
+class CompactorUnavailable(RuntimeError):
+    """The sidecar did not complete the pass (dead, timed out, restarted). Survivors are
+    intact; the same plans may be completed elsewhere. ``moved``: whether the failed
+    call's kernel may have started (the fence says; True where there is no fence)."""
+
+    def __init__(self, message: str, *, moved: bool = True) -> None:
+        super().__init__(message)
+        self.moved = moved
+
+
+class PassPartlyDone(RuntimeError):
+    """Part of the pass may have moved (an earlier call of a split pass did, or the
+    failed call's kernel started) and the rest cannot be done by this compactor: the
+    caller must complete the pass from the same plans, whatever refused it."""
+
+
+class CompactionSkipped(RuntimeError):
+    """The sidecar is down and the fallback mode is ``skip``: nothing was planned to
+    move, the requests keep their full KV."""
+
+
+# Trailing metadata the compactor sets on UNAVAILABLE when its lease store, not the
+# compactor, is down (nothing moved): the key and its value.
+CAUSE_METADATA_KEY = "sglang-evict-cause"
+CAUSE_LEASE_STORE_DOWN = "lease-store-unavailable"
+
 # Points of a pass where a fault hook (tests) may strike: before validation, after the
-# lease check, halfway through the moves, after the moves.
-FAULT_POINTS = ("received", "checked", "mid-copy", "copied")
+# lease check, inside the pass fence before the kernel, halfway through the moves,
+# after the moves (the fence released).
+FAULT_POINTS = ("received", "checked", "fenced", "mid-copy", "copied")
 
 
 def _no_fault(point: str) -> None:
@@ -64,11 +93,18 @@ def _no_fault(point: str) -> None:
 @dataclass(frozen=True)
 class LeaseClaim:
     """Who asks: the exclusive lease the pass holds (``resource``, fencing ``token``) and
-    the scheduler's holder name (for logs: pins block every pass, whoever holds them)."""
+    the scheduler's holder name (for logs: pins block every pass, whoever holds them).
+    ``renew``: extends the lease (False: it is gone), for a pass sent in several calls;
+    never sent on the wire."""
 
     resource: str
     token: int
     holder: str
+    renew: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
+
+    def renewed(self) -> bool:
+        """Extend the lease before a further call of the same pass; False if it is gone."""
+        return True if self.renew is None else bool(self.renew())
 
 
 class Compactor(Protocol):
@@ -155,7 +191,7 @@ class InProcessCompactor:
 
     ``kernel``: ``triton`` (one launch over all layers), ``torch-reference``, or ``auto``:
     Triton for CUDA buffers, the reference for CPU buffers (Triton runs there only under
-    its interpreter).
+    its interpreter). ``FileCompactor`` is the same contract over a CPU pool's file.
     """
 
     def __init__(
@@ -173,12 +209,8 @@ class InProcessCompactor:
             kernel = KERNEL_TRITON if k_buffers[0].is_cuda else KERNEL_TORCH_REFERENCE
         if kernel not in KERNELS:
             raise ValueError(f"unknown repack kernel {kernel!r}; known: {sorted(KERNELS)}")
-        if leases is not None and page_size is None:
-            raise ValueError("a compactor checking leases needs the pool's page_size")
+        self._set_checks(leases, page_size)
         self.kernel = kernel
-        self.leases = leases
-        # The pool's page size: plans of another page size are refused (None: any).
-        self.page_size = page_size
         # Wait for the kernel before returning (a compactor in another process than the
         # one that reads the moved slots next); in-process, stream order suffices.
         self.synchronize = synchronize
@@ -189,6 +221,13 @@ class InProcessCompactor:
             b[0].numel() * b.element_size() for b in (*self.k_buffers, *self.v_buffers)
         )
 
+    def _set_checks(self, leases: LeaseStore | None, page_size: int | None) -> None:
+        if leases is not None and page_size is None:
+            raise ValueError("a compactor checking leases needs the pool's page_size")
+        self.leases = leases
+        # The pool's page size: plans of another page size are refused (None: any).
+        self.page_size = page_size
+
     def compact(
         self,
         plans: Sequence[CompactionPlan],
@@ -196,9 +235,12 @@ class InProcessCompactor:
         *,
         still_wanted: Callable[[], bool] | None = None,
         fault: Callable[[str], None] | None = None,
+        fence: Callable[[], AbstractContextManager] | None = None,
     ) -> CompactResult:
         """Validate → check the lease → (``still_wanted()``, else ``PassAbandoned``) →
-        kernel. ``fault`` is called at each of ``FAULT_POINTS`` (fault injection)."""
+        enter ``fence()`` (the pass fence, ``compactor_service.fence``: refuses a call
+        its client gave up on) → kernel → leave the fence. ``fault`` is called at each
+        of ``FAULT_POINTS`` (fault injection)."""
         tracer = tracing.tracer()
         hook = fault or _no_fault
         start = time.perf_counter()
@@ -220,7 +262,8 @@ class InProcessCompactor:
                 "the caller stopped waiting before the kernel started: nothing moved"
             )
         hook("checked")
-        with tracer.start_as_current_span(tracing.SPAN_KERNEL):
+        with (fence or nullcontext)(), tracer.start_as_current_span(tracing.SPAN_KERNEL):
+            hook("fenced")
             kernel_start = time.perf_counter()
             if fault is None:
                 self.copy(src, dst)
@@ -229,8 +272,7 @@ class InProcessCompactor:
                 self.copy(src[:half], dst[:half])
                 hook("mid-copy")
                 self.copy(src[half:], dst[half:])
-            if self.synchronize:
-                torch.cuda.synchronize(self.k_buffers[0].device)
+            self.wait_for_copies()
             kernel_s = time.perf_counter() - kernel_start
         hook("copied")
         return CompactResult(
@@ -245,6 +287,35 @@ class InProcessCompactor:
         """Run the repack kernel on already validated moves."""
         if src.numel():
             KERNELS[self.kernel](self.k_buffers, self.v_buffers, src, dst)
+
+    def wait_for_copies(self) -> None:
+        """Return once the copies landed (inside the fence: a compactor in another
+        process than the one that reads the moved slots next)."""
+        if self.synchronize:
+            torch.cuda.synchronize(self.k_buffers[0].device)
+
+
+class FileCompactor(InProcessCompactor):
+    """The compactor over a CPU pool's file, read and written with ``pread``/``pwrite``
+    (``shared_pool.PoolFile``) instead of a mapping: a client that truncates its file
+    makes a copy fail (``PoolFileTruncated``), never the compactor fault (SIGBUS)."""
+
+    def __init__(
+        self, pool_file, leases: LeaseStore | None = None, page_size: int | None = None
+    ) -> None:
+        self._set_checks(leases, page_size)
+        self.pool_file = pool_file
+        self.kernel = pool_file.KERNEL
+        self.synchronize = False
+        self.num_slots = pool_file.layout.num_slots
+        self.bytes_per_slot = pool_file.bytes_per_slot
+
+    def copy(self, src: Tensor, dst: Tensor) -> None:
+        if src.numel():
+            self.pool_file.copy_slots(src, dst)
+
+    def wait_for_copies(self) -> None:
+        return None
 
 
 def check_leases(
@@ -268,3 +339,15 @@ def check_leases(
             f"pages {pinned[:8]} are pinned (a shared prefix): no pass may move them; "
             f"nothing was moved"
         )
+
+
+def nothing_moved(error: Exception) -> bool:
+    """Whether a failed ``compact`` call provably moved nothing: a refusal made before
+    any byte moved (by the sidecar, whose fence then says no kernel started, or by the
+    in-process compactor), or a skipped pass. ``PassPartlyDone`` and anything
+    unexpected may have moved part of the pass."""
+    if isinstance(error, PassPartlyDone):
+        return False
+    if isinstance(error, CompactorUnavailable):
+        return not error.moved
+    return isinstance(error, (CompactionSkipped, PlanError, LeaseStoreUnavailable))

@@ -212,3 +212,12 @@ def export_cuda_buffers(
         k_buffers=tuple(export(b) for b in k_buffers),
         v_buffers=tuple(export(b) for b in v_buffers),
     )
+
+
+def map_cuda_buffers(layout: PoolLayout) -> tuple[list[Tensor], list[Tensor]]:
+    """Open every buffer of a CUDA ``layout`` in this process (one IPC open per buffer).
+    Raises ``PoolMappingError`` (or a subclass) and opens nothing on any failed check."""
+    layout.validate()
+    if layout.device != DEVICE_CUDA:
+        raise PoolMappingError("map_cuda_buffers takes a CUDA layout")
+    return open_cuda_buffers(layout)

@@ -1,9 +1,10 @@
 """The compactor's domain logic, transport-free: pools, epochs, leases of registrations,
 validated passes.
 
-``CompactorEngine`` maps each registered pool once (a file of its pool directory or CUDA
-IPC handles, kept open for the pool's life) and applies batched passes to it: validate
-every plan and the batch → check the pass's lease → run the repack kernel → report.
+``CompactorEngine`` opens each registered pool once (a file of its pool directory, copied
+through its descriptor, or CUDA IPC handles; kept open for the pool's life) and applies
+batched passes to it: validate every plan and the batch → check the pass's lease →
+enter the pool's fence (``compactor_service.fence``) → run the repack kernel → report.
 Nothing moves unless every check passed; what the checks can and cannot establish about
 slot ownership is listed in ``compactor_service.plan``. The gRPC servicer
 (``compactor_service.servicer``) is a thin layer over this class; tests drive it
@@ -22,6 +23,8 @@ called itself. Registrations are bounded per client id and in all (``ServerLimit
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import threading
 import time
@@ -33,15 +36,38 @@ from compactor_service import tracing
 from compactor_service.compactor import (
     FAULT_POINTS,
     CompactResult,
+    FileCompactor,
     InProcessCompactor,
     LeaseClaim,
 )
+from compactor_service.fence import CompactorFence
 from compactor_service.leases import LeaseStore
 from compactor_service.limits import LimitExceeded, ServerLimits, clip
-from compactor_service.plan import CompactionPlan
-from compactor_service.shared_pool import DEVICE_CUDA, PoolDirectory, PoolLayout, map_buffers
+from compactor_service.plan import CompactionPlan, PlanError
+from compactor_service.shared_pool import (
+    DEVICE_CUDA,
+    PoolDirectory,
+    PoolFile,
+    PoolFileRefused,
+    PoolFileTruncated,
+    PoolLayout,
+)
 
 MAX_CLIENT_ID_CHARS = 256
+
+
+def open_pool(layout: PoolLayout, pool_dir: PoolDirectory | None) -> PoolFile | tuple:
+    """What the compactor copies in: a CPU pool's ``PoolFile`` (from ``pool_dir``), or a
+    CUDA pool's ``(k_buffers, v_buffers)``. Raises ``PoolMappingError`` (or a subclass)
+    and opens nothing on any failed check."""
+    layout.validate()
+    if layout.device == DEVICE_CUDA:
+        from compactor_service.cuda_ipc import map_cuda_buffers  # CUDA pools only
+
+        return map_cuda_buffers(layout)
+    if pool_dir is None:
+        raise PoolFileRefused("this compactor has no pool directory: CPU pools are refused")
+    return pool_dir.open_pool(layout)
 
 
 class UnknownPool(LookupError):
@@ -65,7 +91,18 @@ class _Pool:
     client_id: str
     compactor: InProcessCompactor
     expires_at_s: float
+    # The pool's fence (``compactor_service.fence``); None: a client that registered
+    # none gets the deadline check alone.
+    fence: CompactorFence | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def close(self) -> None:
+        """Drop what the pool holds open (its file, its fence); the client's memory is
+        untouched."""
+        if isinstance(self.compactor, FileCompactor):
+            self.compactor.pool_file.close()
+        if self.fence is not None:
+            self.fence.close()
 
 
 @dataclass
@@ -126,24 +163,39 @@ class CompactorEngine:
                 f"{limits.max_pools_per_client}); unregister one or let it expire"
             )
 
-    def register_pool(self, layout: PoolLayout, client_id: str) -> tuple[str, int]:
-        """Map ``layout`` (once) and return ``(pool_id, epoch)``."""
+    def register_pool(
+        self, layout: PoolLayout, client_id: str, fence_file: str = ""
+    ) -> tuple[str, int]:
+        """Open ``layout`` (once) and its ``fence_file`` (when given) and return
+        ``(pool_id, epoch)``."""
         if len(client_id) > MAX_CLIENT_ID_CHARS:
             raise BadClientId(
                 f"client_id {clip(client_id)} is longer than {MAX_CLIENT_ID_CHARS} characters"
             )
         with self._lock:
             self._check_room(client_id)  # cheap refusal before any mapping
-        k, v = map_buffers(layout, self.pool_dir)  # raises PoolMappingError, maps nothing
-        compactor = InProcessCompactor(
-            k,
-            v,
-            kernel=self.kernel,
-            leases=self.leases,
-            page_size=layout.page_size,
-            # The reply means the bytes landed: the scheduler reads moved slots next.
-            synchronize=layout.device == DEVICE_CUDA,
-        )
+        fence = None
+        if fence_file:
+            if self.pool_dir is None:
+                raise PoolFileRefused("this compactor has no pool directory: fences are refused")
+            fence = CompactorFence(self.pool_dir.open_fence_file(fence_file))
+        try:
+            opened = open_pool(layout, self.pool_dir)  # raises PoolMappingError
+        except BaseException:
+            if fence is not None:
+                fence.close()
+            raise
+        if isinstance(opened, PoolFile):
+            compactor = FileCompactor(opened, leases=self.leases, page_size=layout.page_size)
+        else:
+            compactor = InProcessCompactor(
+                *opened,
+                kernel=self.kernel,
+                leases=self.leases,
+                page_size=layout.page_size,
+                # The reply means the bytes landed: the scheduler reads moved slots next.
+                synchronize=layout.device == DEVICE_CUDA,
+            )
         epoch = self._next_epoch()
         pool = _Pool(
             pool_id=uuid.uuid4().hex,
@@ -152,9 +204,14 @@ class CompactorEngine:
             client_id=client_id,
             compactor=compactor,
             expires_at_s=self._clock_s() + self.limits.pool_lease_s,
+            fence=fence,
         )
         with self._lock:
-            self._check_room(client_id)  # a concurrent registration may have taken it
+            try:
+                self._check_room(client_id)  # a concurrent registration may have taken it
+            except LimitExceeded:
+                pool.close()
+                raise
             self.pools[pool.pool_id] = pool
         return pool.pool_id, pool.epoch
 
@@ -162,7 +219,8 @@ class CompactorEngine:
         """Drop the pool and its mappings (the client's buffers are untouched)."""
         pool = self.pool(pool_id, epoch)
         with pool.lock, self._lock:
-            self.pools.pop(pool_id, None)
+            if self.pools.pop(pool_id, None) is not None:
+                pool.close()
 
     def heartbeat(self, pool_id: str, epoch: int) -> float:
         """Renew the pool's lease; return its length in seconds."""
@@ -183,6 +241,7 @@ class CompactorEngine:
             try:
                 with self._lock:
                     if pool.expires_at_s <= now and self.pools.pop(pool.pool_id, None):
+                        pool.close()
                         dropped.append(pool.pool_id)
                         self.stats.pools_expired += 1
             finally:
@@ -226,20 +285,41 @@ class CompactorEngine:
         plans: Sequence[CompactionPlan],
         claim: LeaseClaim | None = None,
         still_wanted: Callable[[], bool] | None = None,
+        call_seq: int = 0,
     ) -> CompactResult:
-        """Validate the batch, check the lease, run the kernel. Raises (moving nothing)
+        """Validate the batch, check the lease, run the kernel inside the pool's fence
+        (``call_seq``: the call's number in its client's fence). Raises (moving nothing)
         ``UnknownPool``, ``StaleEpoch``, ``LimitExceeded``, ``PlanError``,
         ``LeaseRefused``, or ``PassAbandoned`` when ``still_wanted()`` turns false (asked
-        between plans during validation and right before the kernel)."""
+        between plans during validation and right before the kernel) or the client
+        revoked the call; ``PoolFileTruncated`` (the pool is dropped) may come after
+        part of the copy."""
         with tracing.tracer().start_as_current_span(tracing.SPAN_COMPACT) as span:
             try:
                 pool = self.pool(pool_id, epoch)
                 self._renew(pool)
                 self.check_call_size(len(plans), sum(p.num_moves for p in plans))
+                fence = None
+                if pool.fence is not None:
+                    if call_seq < 1:
+                        raise PlanError(
+                            "call_seq must be >= 1: this pool was registered with a fence"
+                        )
+                    fence = functools.partial(pool.fence.hold, call_seq, still_wanted)
                 with pool.lock:
                     result = pool.compactor.compact(
-                        plans, claim, still_wanted=still_wanted, fault=self.fault_hook
+                        plans,
+                        claim,
+                        still_wanted=still_wanted,
+                        fault=self.fault_hook,
+                        fence=fence,
                     )
+            except PoolFileTruncated:
+                self.stats.passes_rejected += 1
+                with self._lock:
+                    if self.pools.pop(pool_id, None) is not None:
+                        pool.close()
+                raise
             except Exception:
                 self.stats.passes_rejected += 1
                 raise
@@ -267,6 +347,35 @@ def random_kill_hook(seed: int, probability: float) -> Callable[[str], None]:
         if point == FAULT_POINTS[0]:
             target[0] = rng.choice(FAULT_POINTS) if rng.random() < probability else None
         if point == target[0]:
-            os.kill(os.getpid(), signal.SIGKILL)
+            signal.pthread_kill(threading.get_ident(), signal.SIGKILL)  # before one more line
+
+    return hook
+
+
+def random_stop_hook(seed: int, probability: float) -> Callable[[str], None]:
+    """A fault hook that stops this process (SIGSTOP; a test continues it) at a point of
+    a pass: each pass is struck with ``probability``, at each of ``FAULT_POINTS`` in
+    turn, so that a run stalls the compactor at every point of its pass."""
+    import random
+    import signal
+
+    rng = random.Random(seed)
+    strikes = [0]
+    target: list[str | None] = [None]
+
+    def hook(point: str) -> None:
+        if point == FAULT_POINTS[0]:
+            target[0] = None
+            if rng.random() < probability:
+                target[0] = FAULT_POINTS[strikes[0] % len(FAULT_POINTS)]
+                strikes[0] += 1
+        if point == target[0]:
+            logging.getLogger("sglang_evict.compactor").warning(
+                "fault injection: stopping the compactor", extra={"point": point}
+            )
+            # Sent to this thread: it stops before running one more line of the pass. A
+            # signal sent to the process wakes the main thread first, and this thread
+            # could finish its copy before the group stop reaches it.
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
     return hook

@@ -17,16 +17,25 @@
   ``--drain-s``), then the process exits 0 and removes its socket.
 * Logs are JSON lines (``--log-format text`` for humans), bounded and redacted.
 * Every bad flag: one line naming the flag and the fix on stderr, exit status 2.
+* A server that cannot start listening (``--socket`` names a file that is not a socket,
+  the ``--tcp`` address is in use): one line naming the cause, exit status 3
+  (``EXIT_CANNOT_START``); ``--supervise`` retries it with backoff, then gives up with
+  the same status (``_supervise``).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import select
 import signal
+import socket
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +50,30 @@ from compactor_service.tls import ServerTls, load_server_tls, parse_tcp_address
 
 logger = logging.getLogger("sglang_evict.compactor")
 KERNEL_CHOICES = ("auto", "triton", "torch-reference")
+# What --fault-injection does at the struck point of a pass (tests): SIGKILL or SIGSTOP.
+FAULT_ACTIONS = ("kill", "stop")
+
+# Exit status of a server that could not start listening (its socket path is taken by a
+# file that is not a socket, its TCP address is in use, ...), and of a supervisor that
+# gave up restarting one: distinct from 1 (a crash) and 2 (a refused flag), so a
+# service manager can tell "will not start here" from "died".
+EXIT_CANNOT_START = 3
+
+# How often the serving process's main thread wakes to run a signal handler whose
+# signal the kernel delivered to another thread (see ``_serve``): the longest a SIGTERM
+# waits before the drain starts.
+SIGNAL_POLL_S = 0.2
+
+# How ``--supervise`` paces restarts (see ``_supervise``): the delay before a restart
+# starts at RESTART_DELAY_S and doubles with each quick death, up to RESTART_DELAY_MAX_S;
+# a server that served for HEALTHY_AFTER_S is restarted at once and the delay starts over;
+# after MAX_FAILED_STARTS servers in a row that died before listening, the supervisor
+# gives up (about 7 s of retries: long enough for a port held by a previous process that
+# is shutting down, short enough that a misconfiguration surfaces quickly).
+RESTART_DELAY_S = 0.1
+RESTART_DELAY_MAX_S = 2.0
+HEALTHY_AFTER_S = 30.0
+MAX_FAILED_STARTS = 8
 
 
 def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -86,14 +119,15 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     add(
         "--supervise",
         action="store_true",
-        help="restart the server process whenever it dies (a forked child; restarts in ms)",
+        help="restart the server process when it dies (a forked child; backoff from 0.1 s "
+        "to 2 s; gives up with exit status 3 on a server that cannot start listening)",
     )
     add(
         "--fault-injection",
         default=None,
-        metavar="SEED:PROBABILITY",
-        help="testing only: SIGKILL the server at a random point of a pass with this "
-        "probability per pass",
+        metavar="SEED:PROBABILITY[:kill|stop]",
+        help="testing only: SIGKILL (or SIGSTOP) the server at a random point of a pass "
+        "with this probability per pass",
     )
     add("--log-format", default="json", help="json or text")
     add("--log-level", default="info", help=", ".join(LOG_LEVELS))
@@ -132,7 +166,7 @@ class ServerOptions:
     reap_interval_s: float
     workers: int
     limits: ServerLimits
-    fault: tuple[int, float] | None
+    fault: tuple[int, float, str] | None
     log_format: str
     log_level: str
     redis_url_on_command_line: bool
@@ -155,11 +189,16 @@ class ServerOptions:
             )
         fault = None
         if args.fault_injection:
-            seed, _, probability = args.fault_injection.partition(":")
+            seed, _, rest = args.fault_injection.partition(":")
+            probability, _, action = rest.partition(":")
             try:
-                fault = (int(seed), float(probability))
+                fault = (int(seed), float(probability), action or "kill")
             except ValueError:
-                raise ValueError("--fault-injection takes SEED:PROBABILITY, e.g. 7:0.5") from None
+                fault = None
+            if fault is None or fault[2] not in FAULT_ACTIONS:
+                raise ValueError(
+                    "--fault-injection takes SEED:PROBABILITY[:kill|stop], e.g. 7:0.5"
+                ) from None
         limits = ServerLimits(
             # gRPC takes the size as a C int: at most 2 GiB - 1.
             max_message_bytes=_number(args.max_message_mb, "--max-message-mb", int, 1, 2047) << 20,
@@ -219,7 +258,12 @@ def run(args: argparse.Namespace) -> int:
     return _serve(options)
 
 
-def _serve(options: ServerOptions, generation: int = 0) -> int:
+def _serve(
+    options: ServerOptions, generation: int = 0, report: Callable[[str], None] | None = None
+) -> int:
+    """Serve until SIGTERM/SIGINT. ``report`` (a supervised child's line to its
+    supervisor) receives ``serving`` once listening, or the one-line error of a start
+    that failed, which is then not printed: the supervisor logs it with the restart."""
     from compactor_service.engine import CompactorEngine
     from compactor_service.servicer import CompactorServer
     from compactor_service.shared_pool import PoolDirectory
@@ -232,9 +276,11 @@ def _serve(options: ServerOptions, generation: int = 0) -> int:
         leases = RedisLeaseStore(options.redis_url, namespace=options.lease_namespace)
     fault_hook = None
     if options.fault is not None:
-        from compactor_service.engine import random_kill_hook
+        from compactor_service.engine import random_kill_hook, random_stop_hook
 
-        fault_hook = random_kill_hook(options.fault[0] + generation, options.fault[1])
+        seed, probability, action = options.fault
+        make_hook = random_stop_hook if action == "stop" else random_kill_hook
+        fault_hook = make_hook(seed + generation, probability)
     engine = CompactorEngine(
         kernel=options.kernel,
         leases=leases,
@@ -262,13 +308,26 @@ def _serve(options: ServerOptions, generation: int = 0) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
+        if options.tcp_address is not None:
+            _refuse_tcp_address_in_use(options.tcp_address)
         server.start()
     except (OSError, RuntimeError) as error:
-        print(f"compactor: error: {redact_text(str(error))}", file=sys.stderr)
-        return 1
+        message = f"compactor: error: {redact_text(str(error))}"
+        if report is None:
+            print(message, file=sys.stderr)
+        else:
+            report(f"error {message}")
+        return EXIT_CANNOT_START
+    if report is not None:
+        report("serving")
     if options.redis_url:
         logger.info("lease store", extra={"redis": redact_url(options.redis_url)})
-    stop_requested.wait()
+    # A timed wait, not a plain one: the kernel may deliver SIGTERM to one of gRPC's
+    # threads, and Python runs the handler only when the main thread next executes
+    # bytecode; an untimed wait would then sleep through it (seen: a compactor that
+    # ignored SIGTERM for 30 s until killed, never draining).
+    while not stop_requested.wait(SIGNAL_POLL_S):
+        pass
     logger.info("shutdown requested", extra={"signal": signal.Signals(signals_received[0]).name})
     server.stop(drain_s=options.drain_s)
     if provider_configured:
@@ -278,11 +337,117 @@ def _serve(options: ServerOptions, generation: int = 0) -> int:
     return 0
 
 
+def _refuse_tcp_address_in_use(target: str) -> None:
+    """``OSError`` naming ``--tcp`` when another socket listens on the address. gRPC
+    would refuse it too, but with a multi-line report of its own on stderr and a message
+    that does not say why; and gRPC binds with SO_REUSEPORT, so it would share the port
+    with another process that did too (a second compactor) rather than refuse. The probe
+    binds like gRPC otherwise (SO_REUSEADDR: connections of a previous run in TIME_WAIT
+    do not count); an address that does not resolve is left to gRPC to report."""
+    host, _, port = target.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    try:
+        addresses = socket.getaddrinfo(
+            host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (OSError, ValueError):
+        return
+    in_use = False
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as error:
+                in_use = in_use or error.errno == errno.EADDRINUSE
+                continue
+        return  # gRPC listens where one of its addresses binds
+    if in_use:
+        raise OSError(
+            f"--tcp {target}: the address is in use (another process listens on port "
+            f"{port}); stop that process or choose another --tcp port"
+        )
+
+
+def _sleep_unless(stopping: threading.Event, seconds: float) -> None:
+    """Sleep ``seconds``, returning early once ``stopping`` is set. Polled in short naps
+    rather than ``stopping.wait``: the signal handler that sets it runs on this same
+    thread, and could interrupt ``wait`` while it holds the event's lock."""
+    deadline = time.monotonic() + seconds
+    while not stopping.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.05))
+
+
+def _wait_for_child(pid: int, fd: int) -> tuple[int, float | None, str | None]:
+    """Wait for a supervised child to exit, reading its reports on ``fd`` meanwhile:
+    its wait status, when it said it was serving (``time.monotonic()``, None if it never
+    did) and the last error it sent. The pipe's end of file usually says the child
+    exited; waitpid is polled too, in case a process the child started holds the pipe."""
+    served_at, error, pending = None, None, b""
+
+    def take(chunk: bytes) -> None:
+        nonlocal served_at, error, pending
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            text = line.decode("utf-8", "replace")
+            if text == "serving":
+                served_at = time.monotonic()
+            elif text.startswith("error "):
+                error = text.removeprefix("error ")
+
+    while True:
+        chunk = os.read(fd, 4096) if select.select([fd], [], [], 0.5)[0] else None
+        if chunk:
+            take(chunk)
+        elif chunk == b"":
+            return os.waitpid(pid, 0)[1], served_at, error
+        else:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                while select.select([fd], [], [], 0)[0] and (chunk := os.read(fd, 4096)):
+                    take(chunk)
+                return status, served_at, error
+
+
+def _reporter(fd: int) -> Callable[[str], None]:
+    """A supervised child's ``report``: one line to its supervisor per call."""
+
+    def report(line: str) -> None:
+        os.write(fd, line.replace("\n", " ").encode() + b"\n")
+
+    return report
+
+
+def _describe_exit(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exited with status {os.waitstatus_to_exitcode(status)}"
+
+
 def _supervise(options: ServerOptions) -> int:
-    """Run the server in a forked child and restart it whenever it dies (a restarted
+    """Run the server in a forked child and restart it when it dies (a restarted
     compactor has a new epoch; clients re-register). The parent has imported
     everything, so a restart takes milliseconds; it never touches CUDA or gRPC objects,
-    so forking is safe. SIGTERM/SIGINT are forwarded and end the loop."""
+    so forking is safe. SIGTERM/SIGINT are forwarded and end the loop, also during a
+    pause between restarts (exit 0).
+
+    Each child reports through a pipe when it is serving, or the one-line error that
+    kept it from listening. Restarts are paced (constants above):
+
+    * a child that died before serving is a failed start: the next one starts after a
+      delay of RESTART_DELAY_S, doubling per quick death up to RESTART_DELAY_MAX_S; after
+      MAX_FAILED_STARTS in a row the supervisor exits EXIT_CANNOT_START with one line on
+      stderr: the child's own error (e.g. the socket path is not a socket, the TCP address
+      is in use) and what to do. Such causes do not go away by restarting;
+    * a child that served and died is restarted after the same growing delay, at once if
+      it had served for HEALTHY_AFTER_S (the delay starts over), and is never given up
+      on: it could listen, and clients complete passes in-process meanwhile. Under
+      ``--fault-injection`` (testing) such deaths are the point, and restart at once.
+
+    Every restart is logged (exit status, restarts so far, delay, the child's error)."""
     # Import what a server process needs now, once: every forked child inherits it.
     import opentelemetry.instrumentation.grpc  # noqa: F401
 
@@ -292,6 +457,7 @@ def _supervise(options: ServerOptions) -> int:
 
     stopping = threading.Event()
     child = [0]
+    forwarded = {signal.SIGTERM, signal.SIGINT}
 
     def forward(signum, _frame):
         stopping.set()
@@ -300,30 +466,84 @@ def _supervise(options: ServerOptions) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    generation = 0
-    while True:
-        pid = os.fork()
+    generation = failed_starts = quick_deaths = 0
+    while not stopping.is_set():
+        report_read, report_write = os.pipe()
+        # Blocked across the fork: a signal arriving in between is delivered once the
+        # child's pid is known (parent) or the default action is back (child).
+        signal.pthread_sigmask(signal.SIG_BLOCK, forwarded)
+        try:
+            pid = os.fork()
+        except OSError:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
+            os.close(report_read)
+            os.close(report_write)
+            raise
         if pid == 0:
+            os.close(report_read)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
+            report = _reporter(report_write)
             code = 1
             try:
-                code = _serve(options, generation)
+                code = _serve(options, generation, report)
+            except BaseException as error:
+                logger.exception("compactor process failed")
+                text = redact_text(str(error))
+                report(f"error compactor: error: {type(error).__name__}: {text}")
             finally:
                 os._exit(code)
         child[0] = pid
-        _, status = os.waitpid(pid, 0)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
+        os.close(report_write)
+        try:
+            status, served_at, error = _wait_for_child(pid, report_read)
+        finally:
+            os.close(report_read)
         child[0] = 0
         exit_code = os.waitstatus_to_exitcode(status)
         if stopping.is_set():
             return exit_code if os.WIFEXITED(status) else 0
         if exit_code == 2:  # a start-up refusal: restarting would refuse again
             return 2
-        logger.error(
-            "compactor process died; restarting",
-            extra={"pid": pid, "exit": exit_code, "restarts": generation + 1},
-        )
         generation += 1
+        served_s = None if served_at is None else time.monotonic() - served_at
+        failed_starts = failed_starts + 1 if served_at is None else 0
+        if failed_starts >= MAX_FAILED_STARTS:
+            cause = error or (
+                f"compactor: error: the server {_describe_exit(status)} before listening; "
+                f"see the log lines above"
+            )
+            print(
+                f"{cause.rstrip('.')} (the server failed to start {failed_starts} times in a "
+                f"row: the supervisor gives up, exit status {EXIT_CANNOT_START})",
+                file=sys.stderr,
+            )
+            return EXIT_CANNOT_START
+        if served_s is not None and served_s >= HEALTHY_AFTER_S:
+            quick_deaths = 0
+            delay = 0.0
+        elif served_s is not None and options.fault is not None:
+            delay = 0.0
+        else:
+            delay = min(RESTART_DELAY_S * 2**quick_deaths, RESTART_DELAY_MAX_S)
+            quick_deaths += 1
+        logger.error(
+            "compactor process could not start; restarting"
+            if served_at is None
+            else "compactor process died; restarting",
+            extra={
+                "pid": pid,
+                "exit": exit_code,
+                "restarts": generation,
+                "delay_s": delay,
+                "served_s": None if served_s is None else round(served_s, 3),
+                "error": error.removeprefix("compactor: error: ") if error else None,
+            },
+        )
+        _sleep_unless(stopping, delay)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

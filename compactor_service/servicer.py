@@ -3,12 +3,24 @@ server that hosts it (listeners, TLS, health, reaper, drain).
 
 * Requests arrive as bytes and are parsed here, so that even an unparsable message gets
   a status of ours (``INVALID_ARGUMENT``) rather than gRPC's generic ``INTERNAL``.
+* Before the parse, the bytes are walked (``wire_bounds``): the method's own message
+  limit, and the number of plans, buffer handles and fields a parse would build
+  (``RESOURCE_EXHAUSTED``, whatever pool the request names; bytes that are no wire
+  format: ``INVALID_ARGUMENT``). The walk reads O(bounds) fields, so the parse that
+  follows is bounded too, and one client's flood no longer holds the GIL for seconds
+  while other clients' passes wait.
 * Domain errors map to status codes in one place (``_STATUS``); every refusal's message
   and log line is bounded and redacted.
 * Before any work proportional to the request: pool lookup (``NOT_FOUND`` /
   ``FAILED_PRECONDITION``), per-call bounds and the per-pool in-flight bound
   (``RESOURCE_EXHAUSTED``, see ``limits``); while decoding and validating, the caller's
   deadline is checked between plans (``DEADLINE_EXCEEDED``, nothing moved).
+* Refusal and internal-error log lines are rate-limited per client and cause
+  (``logs.LogRateLimiter``, keyed by the peer's address without its port, the method
+  and the status), with a line counting what was suppressed. The key uses nothing the
+  request says (pool or client id): a flooder could mint a fresh id per call and a
+  fresh key with it. On the Unix socket every client has the same peer (all run as the
+  compactor's user: the socket is 0600), so they share one key per cause.
 """
 
 from __future__ import annotations
@@ -26,10 +38,16 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from compactor_service.compactor import LeaseRefused, PassAbandoned
+from compactor_service.compactor import (
+    CAUSE_LEASE_STORE_DOWN,
+    CAUSE_METADATA_KEY,
+    LeaseRefused,
+    PassAbandoned,
+)
 from compactor_service.engine import BadClientId, CompactorEngine, StaleEpoch, UnknownPool
 from compactor_service.health import SERVICE_NAME
-from compactor_service.limits import InFlight, LimitExceeded, clip, clip_detail
+from compactor_service.limits import CLIP_CHARS, InFlight, LimitExceeded, clip, clip_detail
+from compactor_service.logs import LogRateLimiter, Suppressed
 from compactor_service.plan import PlanError
 from compactor_service.redis_leases import LeaseStoreUnavailable
 from compactor_service.secrets import redact_text
@@ -37,10 +55,17 @@ from compactor_service.shared_pool import (
     PoolDeviceUnavailable,
     PoolFileMissing,
     PoolFileRefused,
+    PoolFileTruncated,
     PoolMappingError,
 )
 from compactor_service.v1 import compactor_pb2 as pb
 from compactor_service.wire import claim_from_proto, layout_from_proto, plan_from_proto
+from compactor_service.wire_bounds import (
+    MalformedWire,
+    RequestBounds,
+    check_request,
+    request_bounds,
+)
 
 logger = logging.getLogger("sglang_evict.compactor")
 
@@ -57,6 +82,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (LeaseRefused, grpc.StatusCode.ABORTED),  # fencing: a newer holder, no lease, a pin
     (PassAbandoned, grpc.StatusCode.DEADLINE_EXCEEDED),
     (LeaseStoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (PoolFileTruncated, grpc.StatusCode.DATA_LOSS),  # the copy may have started
     (PoolFileMissing, grpc.StatusCode.NOT_FOUND),
     (PoolFileRefused, grpc.StatusCode.PERMISSION_DENIED),
     (PoolDeviceUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
@@ -74,6 +100,18 @@ def status_for(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def peer_host(peer: str) -> str:
+    """The caller's address without its port (``ipv4:127.0.0.1:5301`` ->
+    ``ipv4:127.0.0.1``), cut to ``CLIP_CHARS``: a client gets a new port per
+    connection, and a key per port would let it reset its log budget by reconnecting."""
+    kind, _, address = peer.partition(":")
+    if kind == "ipv4":
+        address = address.rpartition(":")[0] or address
+    elif kind == "ipv6" and address.startswith("["):
+        address = address.partition("]")[0] + "]"
+    return f"{kind}:{address}"[:CLIP_CHARS]
+
+
 def _still_wanted(context) -> bool:
     """The client is still waiting: the call is active and its deadline not passed."""
     remaining_s = context.time_remaining()
@@ -83,21 +121,65 @@ def _still_wanted(context) -> bool:
 class CompactorServicer:
     """``sglang_evict.compactor.v1.Compactor`` over a ``CompactorEngine``."""
 
-    def __init__(self, engine: CompactorEngine) -> None:
+    def __init__(self, engine: CompactorEngine, refusal_log: LogRateLimiter | None = None) -> None:
         self.engine = engine
         self.inflight = InFlight(
             engine.limits.max_inflight_per_pool, "pool", "--max-inflight-per-pool"
         )
+        self.bounds = request_bounds(engine.limits)
+        self.refusal_log = refusal_log or LogRateLimiter()
 
     def _abort(self, context, error: BaseException, what: str):
         code = status_for(error)
+        if isinstance(error, LeaseStoreUnavailable):
+            # UNAVAILABLE is also what a client sees when the compactor itself is down;
+            # this says it was the lease store, before anything moved.
+            context.set_trailing_metadata(((CAUSE_METADATA_KEY, CAUSE_LEASE_STORE_DOWN),))
         detail = clip_detail(redact_text(str(error)))
+        peer = peer_host(context.peer())
+        log_it, due = self.refusal_log.admit((peer, what, code.name))
+        self._log_suppressed(due)
         if code == grpc.StatusCode.INTERNAL:
-            logger.error("%s failed", what, exc_info=error, extra={"status": code.name})
+            if log_it:
+                logger.error(
+                    "%s failed", what, exc_info=error, extra={"status": code.name, "peer": peer}
+                )
             detail = f"internal error ({type(error).__name__}); see the compactor's log"
-        else:
-            logger.warning("%s refused", what, extra={"status": code.name, "error": detail})
+        elif log_it:
+            logger.warning(
+                "%s refused", what, extra={"status": code.name, "error": detail, "peer": peer}
+            )
         context.abort(code, detail)
+
+    def log_suppressed(self, final: bool = False) -> None:
+        """Log the counts of refusals whose windows ended (``final``: every count, at
+        shutdown); the server's reaper calls this every sweep."""
+        self._log_suppressed(self.refusal_log.drain() if final else self.refusal_log.expired())
+
+    def _log_suppressed(self, due: list[Suppressed]) -> None:
+        for summary in due:
+            seconds = f"{summary.seconds:.0f} s"
+            if summary.key is None:
+                logger.warning(
+                    "%d more refusals of %d kinds suppressed in the last %s",
+                    summary.count,
+                    summary.kinds,
+                    seconds,
+                    extra={"suppressed": summary.count},
+                )
+                continue
+            peer, what, status = summary.key
+            internal = status == grpc.StatusCode.INTERNAL.name
+            logger.log(
+                logging.ERROR if internal else logging.WARNING,
+                "%s %s: %d more %s of this kind suppressed in the last %s",
+                what,
+                "failed" if internal else "refused",
+                summary.count,
+                "failures" if internal else "refusals",
+                seconds,
+                extra={"status": status, "peer": peer, "suppressed": summary.count},
+            )
 
     def handlers(self) -> grpc.GenericRpcHandler:
         """The service's method handlers; each parses its own request bytes."""
@@ -116,7 +198,7 @@ class CompactorServicer:
             pb.DESCRIPTOR.services_by_name["Compactor"].full_name,
             {
                 name: grpc.unary_unary_rpc_method_handler(
-                    self._guarded(name, request_type, behavior),
+                    self._guarded(name, request_type, self.bounds[name], behavior),
                     request_deserializer=None,
                     response_serializer=response_type.SerializeToString,
                 )
@@ -124,11 +206,17 @@ class CompactorServicer:
             },
         )
 
-    def _guarded(self, name: str, request_type, behavior: Callable):
+    def _guarded(self, name: str, request_type, bounds: RequestBounds, behavior: Callable):
         def handle(data: bytes, context):
             try:
                 try:
+                    check_request(data, bounds)  # O(bounds), before the parse allocates
                     request = request_type.FromString(data)
+                except MalformedWire as error:
+                    raise MalformedRequest(
+                        f"{name}: the request is not a valid {request_type.DESCRIPTOR.name}: "
+                        f"{error}"
+                    ) from None
                 except DecodeError:
                     raise MalformedRequest(
                         f"{name}: the request is not a valid {request_type.DESCRIPTOR.name}"
@@ -141,7 +229,7 @@ class CompactorServicer:
 
     def RegisterPool(self, request, context):
         layout = layout_from_proto(request.layout)
-        pool_id, epoch = self.engine.register_pool(layout, request.client_id)
+        pool_id, epoch = self.engine.register_pool(layout, request.client_id, request.fence_file)
         limits = self.engine.limits
         logger.info(
             "pool registered",
@@ -198,6 +286,7 @@ class CompactorServicer:
                 plans,
                 claim_from_proto(request),
                 still_wanted=still_wanted,
+                call_seq=request.call_seq,
             )
         finally:
             self.inflight.leave(pool.pool_id)
@@ -321,6 +410,7 @@ class CompactorServer:
         while not self._stopped.wait(self.reap_interval_s):
             for pool_id in self.engine.drop_expired_pools():
                 logger.info("pool lease expired; unregistered", extra={"pool_id": pool_id})
+            self.servicer.log_suppressed()
 
     def stop(self, drain_s: float = 10.0) -> None:
         """Drain: NOT_SERVING, finish in-flight passes (at most ``drain_s``), stop."""
@@ -328,6 +418,7 @@ class CompactorServer:
         start = time.perf_counter()
         self.server.stop(grace=drain_s).wait()
         self._stopped.set()
+        self.servicer.log_suppressed(final=True)
         if self.socket_path is not None:
             self.socket_path.unlink(missing_ok=True)
         logger.info("compactor stopped", extra={"drain_s": time.perf_counter() - start})

@@ -2,10 +2,10 @@
 
 A CPU pool lives in one file of the pool directory (a private tmpfs directory, see
 ``runtime_dir``; the file is mode 0600): every layer's K and V buffer at its own 4 KiB-
-aligned offset. Both processes map the file ``MAP_SHARED``, so a copy made by the
-compactor is the scheduler's KV. A GPU pool is exported with CUDA IPC as plain fields
-(``cuda_ipc``); the compactor opens each handle once per pool and keeps it open for the
-pool's life. Nothing is ever unpickled.
+aligned offset. The scheduler maps the file ``MAP_SHARED`` and the compactor writes it
+through its descriptor, so a copy made by the compactor is the scheduler's KV. A GPU
+pool is exported with CUDA IPC as plain fields (``cuda_ipc``); the compactor opens each
+handle once per pool and keeps it open for the pool's life. Nothing is ever unpickled.
 
     file layout (one pool)   [ k0 | pad ][ k1 | pad ] ... [ v0 | pad ] ... [ v(L-1) ]
     handle of buffer i        (shm_path, i * stride),  stride = buffer bytes rounded up
@@ -19,8 +19,14 @@ it write nowhere but into a pool the client created for it:
 * opened relative to the directory with ``O_NOFOLLOW`` (no symlink), then checked on
   the open descriptor: a regular file, one link, owned by the compactor's uid (gRPC does
   not expose the peer's credentials, and the pool directory is private to that uid), of
-  exactly the size the layout implies; mapped from that descriptor, so nothing can swap
-  the file between the check and the mapping.
+  exactly the size the layout implies; kept open, so nothing can swap the file after
+  the check.
+
+The scheduler maps its file; the compactor never does (``PoolFile``): it copies slots
+with ``pread``/``pwrite`` on that descriptor, which see the same page cache as the
+scheduler's mapping, and which fail with a short count where a mapping of a file its
+client truncated would fault (SIGBUS) and take every other client's pool down with the
+compactor.
 
 This module is transport-free: ``PoolLayout`` is a plain dataclass, converted to and
 from the proto message by the gRPC layer.
@@ -37,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -214,27 +221,46 @@ class PoolDirectory:
         """A read-write descriptor of the CPU pool's file, after every check of the
         module docstring; raises ``PoolFileRefused``, ``PoolFileMissing`` or
         ``PoolMappingError`` (wrong size)."""
-        shm_path = layout.k_buffers[0].shm_path
-        shown = clip(shm_path)
-        where = "layout.k_buffers[0].shm_path"
-        if os.path.dirname(shm_path) != str(self.path):
+        return self._open_checked(
+            layout.k_buffers[0].shm_path,
+            "layout.k_buffers[0].shm_path",
+            _POOL_FILE_NAME,
+            f"a pool file ({POOL_FILE_PREFIX}<pid>-<hex>, as create_shared_buffers names them)",
+            layout.file_bytes,
+        )
+
+    def open_fence_file(self, path: str) -> int:
+        """A read-write descriptor of a pool's fence file (``compactor_service.fence``),
+        under the same checks as a pool file."""
+        from compactor_service.fence import FENCE_BYTES, FENCE_FILE_NAME, FENCE_FILE_PREFIX
+
+        return self._open_checked(
+            path,
+            "fence_file",
+            FENCE_FILE_NAME,
+            f"a fence file ({FENCE_FILE_PREFIX}<pid>-<hex>)",
+            FENCE_BYTES,
+        )
+
+    def _open_checked(
+        self, path: str, where: str, pattern: re.Pattern, kind: str, size_bytes: int
+    ) -> int:
+        shown = clip(path)
+        if os.path.dirname(path) != str(self.path):
             raise PoolFileRefused(
                 f"{where} {shown} is not in the compactor's pool directory {self.path}; "
                 f"start the scheduler with --kv-compactor-pool-dir {self.path}"
             )
-        name = os.path.basename(shm_path)
-        if not _POOL_FILE_NAME.fullmatch(name):
-            raise PoolFileRefused(
-                f"{where} {shown} is not a pool file ({POOL_FILE_PREFIX}<pid>-<hex>, as "
-                f"create_shared_buffers names them)"
-            )
+        name = os.path.basename(path)
+        if not pattern.fullmatch(name):
+            raise PoolFileRefused(f"{where} {shown} is not {kind}")
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
         try:
             fd = os.open(name, flags, dir_fd=self._fd)
         except FileNotFoundError:
             raise PoolFileMissing(f"{where} {shown} does not exist") from None
         except IsADirectoryError:
-            raise PoolMappingError(f"{where} {shown} is a directory, not a pool file") from None
+            raise PoolMappingError(f"{where} {shown} is a directory, not {kind}") from None
         except OSError as error:
             raise PoolFileRefused(f"{where} {shown} cannot be opened ({error.strerror})") from None
         try:
@@ -248,22 +274,72 @@ class PoolDirectory:
                 )
             if info.st_nlink != 1:
                 raise PoolFileRefused(f"{where} {shown} has {info.st_nlink} links, expected 1")
-            if info.st_size != layout.file_bytes:
+            if info.st_size != size_bytes:
                 raise PoolMappingError(
                     f"{where} {shown} holds {info.st_size} bytes; the layout needs exactly "
-                    f"{layout.file_bytes}"
+                    f"{size_bytes}"
                 )
         except BaseException:
             os.close(fd)
             raise
         return fd
 
-    def map(self, layout: PoolLayout) -> tuple[list[Tensor], list[Tensor]]:
-        fd = self.open_pool_file(layout)
-        try:
-            return _views(_map_fd(fd, layout.file_bytes), layout)
-        finally:
-            os.close(fd)  # the mapping stays valid
+    def open_pool(self, layout: PoolLayout) -> PoolFile:
+        return PoolFile(self.open_pool_file(layout), layout)
+
+
+class PoolFileTruncated(RuntimeError):
+    """A registered pool's file lost bytes (its client truncated it): the copy stopped
+    there and the pool is dropped. Slots of that call may have been partly copied."""
+
+
+class PoolFile:
+    """A registered CPU pool as the compactor sees it: the file's descriptor, never a
+    mapping. Slots are copied with ``pread``/``pwrite`` (contiguous runs of moves in one
+    call each, per buffer), which return short counts on a file its client truncated
+    under them, where an access through a mapping would kill the whole compactor with
+    SIGBUS (and with it every other client's pool)."""
+
+    KERNEL = "pread-pwrite"
+
+    def __init__(self, fd: int, layout: PoolLayout) -> None:
+        self.fd = fd
+        self.layout = layout
+        self.row_bytes = layout.num_kv_heads * layout.head_dim * DTYPES[layout.dtype].itemsize
+        self.bytes_per_slot = 2 * layout.num_layers * self.row_bytes
+
+    def _truncated(self, what: str) -> PoolFileTruncated:
+        return PoolFileTruncated(
+            f"the pool's file {clip(self.layout.k_buffers[0].shm_path)} {what}: its client "
+            f"truncated it; the pool is dropped (register it again)"
+        )
+
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        """Copy every buffer's row ``src[i]`` to row ``dst[i]`` (validated moves: no slot
+        both read and written, so the order does not matter)."""
+        size = os.fstat(self.fd).st_size
+        if size < self.layout.file_bytes:
+            raise self._truncated(f"holds {size} of its {self.layout.file_bytes} bytes")
+        src_np, dst_np = src.numpy(), dst.numpy()
+        # Runs: consecutive moves whose sources and destinations both continue by one.
+        breaks = (np.diff(src_np) != 1) | (np.diff(dst_np) != 1)
+        starts = np.concatenate([[0], np.nonzero(breaks)[0] + 1])
+        lengths = np.diff(np.concatenate([starts, [len(src_np)]]))
+        row = self.row_bytes
+        runs = [
+            (int(src_np[s]) * row, int(dst_np[s]) * row, int(n) * row)
+            for s, n in zip(starts, lengths, strict=True)
+        ]
+        pread, pwrite, fd = os.pread, os.pwrite, self.fd
+        for buffer in range(2 * self.layout.num_layers):
+            base = buffer * self.layout.stride_bytes
+            for src_bytes, dst_bytes, count in runs:
+                data = pread(fd, count, base + src_bytes)
+                if len(data) != count or pwrite(fd, data, base + dst_bytes) != count:
+                    raise self._truncated("ended under the copy")
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 @dataclass
@@ -324,19 +400,3 @@ def create_shared_buffers(
         for dst, src in zip(k + v, [*copy_from[0], *copy_from[1]], strict=True):
             dst.copy_(src)
     return SharedKVBuffers(path=path, k=k, v=v, layout=layout)
-
-
-def map_buffers(
-    layout: PoolLayout, pool_dir: PoolDirectory | None
-) -> tuple[list[Tensor], list[Tensor]]:
-    """Map every buffer of ``layout`` in this process: the pool's file (CPU, from
-    ``pool_dir``) or one IPC open per buffer (CUDA). Raises ``PoolMappingError`` (or a
-    subclass) and maps nothing on any failed check."""
-    layout.validate()
-    if layout.device == DEVICE_CUDA:
-        from compactor_service.cuda_ipc import open_cuda_buffers
-
-        return open_cuda_buffers(layout)
-    if pool_dir is None:
-        raise PoolFileRefused("this compactor has no pool directory: CPU pools are refused")
-    return pool_dir.map(layout)

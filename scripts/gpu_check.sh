@@ -13,7 +13,7 @@
 # Needs SGLang 0.5.17 importable there. On a machine that has only torch and Triton
 # (the lent GPU machine), build the carry folder here first and carry it along:
 #   bash ../shared/gpu/build_carry.sh .gpu_carry     # SGLang 0.5.17 and its pins (cp312 wheels)
-#   .whl/: the project's runtime dependencies the image lacks, as cp312 wheels (README, "On a GPU")
+#   .whl/: the project's runtime dependencies the image lacks, as cp312 wheels (docs/performance.md, "On a GPU")
 # Logs and result files go to $OUT (or /tmp/gpu_check). Each part is bounded by `timeout`.
 set -uo pipefail
 [ $# -gt 0 ] || { echo "usage: gpu_check.sh tests|benches|engine ..." >&2; exit 2; }

@@ -44,9 +44,10 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def read_model_config(model_path: Path) -> dict:
-    """``config.json`` of an HF-format model folder, checked to be a JSON object naming
-    its ``model_type``."""
+def read_config_json(model_path: Path) -> dict:
+    """``config.json`` of a model folder, checked to be a readable JSON object: else a
+    one-line ``ValueError`` naming the folder and the file (transformers reports a file
+    that is not JSON as an ``OSError``, and one that is not an object as a traceback)."""
     config_path = model_path / "config.json"
     if not config_path.is_file():
         raise _folder_error(model_path, "not an HF-format model folder (no config.json)")
@@ -56,7 +57,25 @@ def read_model_config(model_path: Path) -> dict:
         raise _folder_error(model_path, f"config.json is not valid JSON ({error})") from None
     except OSError as error:
         raise _folder_error(model_path, f"cannot read config.json ({error.strerror})") from None
-    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+    if not isinstance(config, dict):
+        raise _folder_error(
+            model_path,
+            f"config.json must be a JSON object, got {_json_kind(config)}; is this the folder "
+            f"save_pretrained wrote?",
+        )
+    return config
+
+
+def _json_kind(value: object) -> str:
+    kinds = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return kinds.get(type(value), "a number")
+
+
+def read_model_config(model_path: Path) -> dict:
+    """``config.json`` of an HF-format model folder, checked to be a JSON object naming
+    its ``model_type``."""
+    config = read_config_json(model_path)
+    if not isinstance(config.get("model_type"), str):
         raise _folder_error(
             model_path,
             'config.json must be a JSON object naming the architecture ("model_type": '

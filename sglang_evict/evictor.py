@@ -12,14 +12,22 @@ One pass per decode step, for every due request
 
     host                                        device (the pool's stream)
     counts per request (``batch_pass.counts``)
-    one lease for the pass
     one packed copy of the per-request ints ->  rows, positions, protection masks
                                                 scores [R, N] -> keep [R, N]
     staging pages claimed (repack)          ->  plan [R, K]: new rows, moves, releases
-    fencing check                               one repack launch (padding moves skipped)
+    one lease for the moves                     one repack launch (padding moves skipped)
+    lease released (a failure is logged and counted, never skips the commit)
     commit: lengths, state                  ->  rows, positions table, offsets written;
                                                 pages released to the allocator
-    lease released (a failure is logged and counted, never skips the commit)
+
+The pass lease (fencing token) is taken only around the moves, after scoring and
+planning, so a pass never loses it to its own scoring time, however long: in-process
+the moves follow the grant at once; with the sidecar its TTL covers a call's deadline
+(``sglang_evict.pass_lease``) and it is renewed before each further call of a split pass.
+A pass that fails before anything moved leaves its requests with their full KV and
+backs them off (``sglang_evict.pass_failures``: not due again for 2, 4, 8 ... decode
+steps), so a refusal never repeats the same work at every step; each cause is logged
+once with the knob that fixes it.
 
 With the gRPC sidecar the plans go to the host first (``BatchPlan.to_host_plans``, a
 synchronisation): its API carries host plans. Once the ``Compact`` call was sent, a
@@ -28,7 +36,9 @@ in-process fallback could not check the lease because the lease store is down to
 the pass is then completed in-process from the same plan (moves are idempotent and
 write no survivor: the planner's invariant 3) and committed, without a lease:
 ``forced_completions`` counts it. Only refusals that prove nothing moved (an invalid
-plan, a lease refused by a sidecar that stayed up, ``CompactionSkipped``) skip a pass.
+plan, a refused lease, a lease store down, a call whose kernel the pool's fence says
+never started, ``CompactionSkipped``) skip a pass; a later call of a split pass failing
+after an earlier one moved slots (``PassPartlyDone``) is completed like a failure.
 
 Per-request state and positions
 -------------------------------
@@ -74,8 +84,8 @@ import torch
 from torch import Tensor
 
 from compactor_service import tracing
-from compactor_service.compactor import Compactor, LeaseClaim, LeaseRefused
-from compactor_service.leases import Lease, LeaseStore
+from compactor_service.compactor import Compactor, LeaseClaim, nothing_moved
+from compactor_service.leases import LeaseStore
 from compactor_service.redis_leases import LeaseStoreUnavailable
 from sglang_evict.batch_pass import (
     BatchPlan,
@@ -93,6 +103,8 @@ from sglang_evict.batch_pass.counts import PAGE_COUNTS, frozen_length, leading_e
 from sglang_evict.batch_pass.indices import arange
 from sglang_evict.batch_pass.inputs import batch_inputs
 from sglang_evict.config import EvictionConfig
+from sglang_evict.pass_failures import FailureTracker
+from sglang_evict.pass_lease import PassLease
 from sglang_evict.pass_state import (
     DueRequest,
     KVPoolAccess,
@@ -136,19 +148,12 @@ class EvictionManager:
     # Score with the scorer's pool-reading kernel when it has one (no key gather);
     # None: when the pool is on a GPU (on CPU Triton runs only under its interpreter).
     use_pool_kernels: bool | None = None
-    # Pass leases (fencing tokens) and shared-page pins; None: off.
+    # Pass leases (fencing tokens) and shared-page pins; None: off (``self.lease``).
     leases: LeaseStore | None = None
     lease_holder: str = "scheduler"
-    # After the lease store failed, passes pause (fail at once, touching nothing) for
-    # this long instead of reaching for an unreachable store at every decode step.
-    lease_retry_interval_s: float = 1.0
     # The stream the model's forward runs on (SGLang's forward_stream); a pass orders
     # itself after the in-flight forward on it (``order_after_forward``).
     forward_stream: object | None = None
-    _leases_down_until_s: float = 0.0
-    _unreleased: Lease | None = None
-    pin_failures: int = 0  # pin/unpin calls the lease store did not take (outage)
-    lease_release_failures: int = 0  # pass leases the store did not release (outage)
     forced_completions: int = 0  # passes completed in-process after a failure mid-RPC
     # What a request may ask of this server (sglang_evict.request_policy); the adapter
     # sets it (the scorers a request may choose depend on the server).
@@ -157,6 +162,8 @@ class EvictionManager:
     # The requests' captured queries, by request-pool row (query-reading scorers).
     query_ring: QueryRing | None = None
     decode_steps: int = 0  # decode steps counted by ``open_pass_step``
+    # Failed passes: per-request backoff, counts by cause (``sglang_evict.pass_failures``).
+    failures: FailureTracker = field(default_factory=FailureTracker)
 
     def __post_init__(self) -> None:
         if self.config.page_size != self.pool.page_size:
@@ -166,6 +173,12 @@ class EvictionManager:
             )
         self.device = torch.device(self.device)
         self.scorer = self.config.make_scorer()
+        config = self.config
+        # The sidecar checks the token when a call arrives: the lease covers a call.
+        ttl_ms = config.lease_ttl_ms
+        if self.compactor is not None:
+            ttl_ms = max(ttl_ms, 2 * config.compactor_timeout_ms)
+        self.lease = PassLease(self.leases, self.lease_holder, ttl_ms)
         # The policy of requests that override nothing, and the scorers requests chose
         # (built once each, with their default parameters; the server's with its own).
         self.default_policy = default_policy(self.config)
@@ -287,6 +300,8 @@ class EvictionManager:
         cadence = policy.cadence_tokens
         if kv_len < policy.kv_budget_tokens + cadence:  # survivors >= budget: never due
             return False
+        if not self.failures.may_run(rid, self.decode_steps):  # backing off after a failure
+            return False
         counts = self.counts(rid, kv_len, num_shared, prompt_len, policy)
         return counts.tokens_evicted >= cadence
 
@@ -296,18 +311,9 @@ class EvictionManager:
         """Pin (or unpin) the pages holding ``slots`` in the lease store, under this
         scheduler's holder name: called as radix-tree nodes become locked (or
         unlocked), never on the pass path. A compactor checking leases refuses any plan
-        touching a page pinned by another holder. A store outage is logged and counted,
-        never raised: SGLang's lock path must not fail (``pin_failures``)."""
-        if self.leases is None or slots.numel() == 0:
-            return
-        pages = torch.unique(slots.to("cpu", torch.int64) // self.config.page_size).tolist()
-        try:
-            if pin:
-                self.leases.pin(pages, self.lease_holder)
-            else:
-                self.leases.unpin(pages, self.lease_holder)
-        except (LeaseStoreUnavailable, ValueError):
-            self.pin_failures += 1
+        touching a page pinned by another holder. A store outage is counted
+        (``lease.pin_failures``), never raised: SGLang's lock path must not fail."""
+        self.lease.pin_pages(slots, self.config.page_size, pin)
 
     # --- state changes ---------------------------------------------------------------
 
@@ -317,6 +323,7 @@ class EvictionManager:
         state = self.states.pop(rid, None)
         if state is not None:
             self.offsets_by_row[state.req_pool_idx] = 0
+        self.failures.forget(rid)
 
     def record_queries(self, req_pool_idx: int, queries: Tensor, positions: Tensor) -> None:
         """Keep a request's newest queries (``[layers, tokens, q_heads, head_dim]``, after
@@ -385,61 +392,50 @@ class EvictionManager:
             span.set_attribute(tracing.ATTR_TOKENS_BEFORE, sum(c.kv_len for _, c in work))
             names = sorted({d.policy.scorer for d, _ in work})
             span.set_attribute(tracing.ATTR_SCORER, ",".join(names))
-            lease = self._acquire_lease(span)
             try:
-                results = self._run(work, lease, start)
+                self.lease.check_up()
+                results = self._run(work, start, span)
             except BaseException as error:
                 span.set_attribute(tracing.ATTR_OUTCOME, f"failed: {type(error).__name__}")
+                if isinstance(error, Exception):
+                    self._note_failure([d.rid for d, _ in work], error)
                 raise
-            finally:
-                self._release_lease(lease)
+            self.failures.succeeded(d.rid for d, _ in work)
             span.set_attribute(tracing.ATTR_OUTCOME, "committed")
             span.set_attribute(tracing.ATTR_TOKENS_AFTER, sum(r.tokens_after for r in results))
             span.set_attribute(tracing.ATTR_PAGES_FREED, sum(r.pages_freed for r in results))
             span.set_attribute(tracing.ATTR_STRATEGY, results[0].strategy)
         return results
 
+    # --- failures ----------------------------------------------------------------------
+
+    def _note_failure(self, rids: list[str], error: Exception) -> None:
+        """Back the pass's requests off, count the cause, say it once (loudly, with the
+        knob) and then at most in a periodic summary."""
+        cause, hint, first = self.failures.failed(rids, error, self.decode_steps)
+        if first:
+            logger.error(
+                "sglang-evict: a pass of %d request(s) failed (%s): %s. Fix: %s. Its "
+                "requests keep their full KV and back off; further failures of this cause "
+                "are counted (pass_failures_total{cause=%r}) and summarised every minute",
+                len(rids),
+                cause,
+                error,
+                hint,
+                cause,
+            )
+        summary = self.failures.summary_due()
+        if summary and not first:
+            logger.warning(
+                "sglang-evict: passes failed in the last minute, by cause: %s (%d failed "
+                "passes in a row now)",
+                summary,
+                self.failures.streak,
+            )
+
     # --- the pass --------------------------------------------------------------------
 
-    def _acquire_lease(self, span) -> Lease | None:
-        if self.leases is None:
-            return None
-        if time.monotonic() < self._leases_down_until_s:
-            span.set_attribute(tracing.ATTR_OUTCOME, "lease-store-down")
-            raise LeaseStoreUnavailable(
-                "the lease store was unreachable moments ago: compaction paused"
-            )
-        resource = f"{self.lease_holder}:pass"
-        try:
-            if self._unreleased is not None:  # a release the store missed in an outage
-                self.leases.release(self._unreleased)
-                self._unreleased = None
-            lease = self.leases.acquire(resource, self.lease_holder, self.config.lease_ttl_ms)
-        except LeaseStoreUnavailable:
-            self._leases_down_until_s = time.monotonic() + self.lease_retry_interval_s
-            span.set_attribute(tracing.ATTR_OUTCOME, "lease-store-down")
-            raise
-        if lease is None:
-            span.set_attribute(tracing.ATTR_OUTCOME, "lease-busy")
-            raise RuntimeError(f"the pass lease {resource!r} is held: pass skipped")
-        span.set_attribute(tracing.ATTR_FENCING_TOKEN, lease.token)
-        return lease
-
-    def _release_lease(self, lease: Lease | None) -> None:
-        """Release the pass lease; a store that cannot take it is logged and counted
-        (``lease_release_failures``) and retried before the next pass's acquire: it
-        never undoes or skips a commit."""
-        if lease is None:
-            return
-        try:
-            self.leases.release(lease)
-        except Exception as error:  # an outage of any kind
-            self.lease_release_failures += 1
-            self._unreleased = lease
-            self._leases_down_until_s = time.monotonic() + self.lease_retry_interval_s
-            logger.error("sglang-evict: pass lease not released (%s); the pass committed", error)
-
-    def _run(self, work, lease: Lease | None, start: float) -> list[PassResult]:
+    def _run(self, work, start: float, span) -> list[PassResult]:
         tracer = tracing.tracer()
         counts = [c for _, c in work]
         strategy, staging_counts = batch_strategy(
@@ -478,9 +474,6 @@ class EvictionManager:
         )
         self.nonfinite_scores_device += nonfinite.sum()
         staging, given, claimed = self._claim_staging(columns, staging_counts)
-        claim = (
-            None if lease is None else LeaseClaim(lease.resource, lease.token, self.lease_holder)
-        )
         try:
             with tracer.start_as_current_span(tracing.SPAN_PLAN):
                 plan_inputs = PlanInputs(
@@ -499,8 +492,14 @@ class EvictionManager:
                     if strategy == "repack"
                     else plan_hole_fill(plan_inputs)
                 )
-            with tracer.start_as_current_span(tracing.SPAN_RPC):
-                copies = self._move(plan, counts, claim)
+            lease = self.lease.acquire()  # only around the moves (``pass_lease``)
+            if lease is not None:
+                span.set_attribute(tracing.ATTR_FENCING_TOKEN, lease.token)
+            try:
+                with tracer.start_as_current_span(tracing.SPAN_RPC):
+                    copies = self._move(plan, counts, self.lease.claim(lease))
+            finally:
+                self.lease.release(lease)
         except BaseException:
             if claimed is not None:  # nothing moved: the staging pages go back
                 self.pool.release_pages(claimed)
@@ -545,14 +544,11 @@ class EvictionManager:
 
     def _move(self, plan: BatchPlan, counts: list[PassCounts], claim: LeaseClaim | None) -> Tensor:
         """Move the slots; returns the copies per request (``[R]``, on the device for
-        in-process moves). Raises only when nothing moved."""
+        in-process moves). Raises only when nothing moved. In-process the moves follow
+        the lease's grant at once, in this process: no fencing check can fail between
+        them (the sidecar checks the claim when a call arrives)."""
         src, dst = plan.src.reshape(-1), plan.dst.reshape(-1)
         if self.compactor is None:
-            if claim is not None and not self._claim_is_current(claim):
-                raise LeaseRefused(
-                    f"fencing token {claim.token} is not the current lease of "
-                    f"{claim.resource!r}: nothing was moved"
-                )
             repack_kv_independent(self.pool.k_buffers, self.pool.v_buffers, src, dst)
             return plan.move_counts()
         host_plans = plan.to_host_plans(
@@ -561,12 +557,13 @@ class EvictionManager:
         try:
             self.compactor.compact(host_plans, claim)
         except Exception as error:
-            from compactor_service.client import nothing_moved  # gRPC: imported on failure
-
-            if nothing_moved(error, self.compactor):
+            if isinstance(error, LeaseStoreUnavailable):  # the compactor's store: pause too
+                self.lease.note_down()
+            if nothing_moved(error):
                 raise
             # The sidecar may have moved part of the plan: complete it from the same
-            # plan, here, and commit (invariant 3 makes the re-run safe).
+            # plan, here, and commit (invariant 3 makes the re-run safe; the pool's
+            # fence guarantees no late copy of it can follow).
             self.forced_completions += 1
             logger.error(
                 "sglang-evict: compactor failed after the pass was sent (%s); completing "
@@ -575,18 +572,6 @@ class EvictionManager:
             )
             repack_kv_independent(self.pool.k_buffers, self.pool.v_buffers, src, dst)
         return torch.tensor([p.num_moves for p in host_plans], dtype=torch.int64)
-
-    def _claim_is_current(self, claim: LeaseClaim) -> bool:
-        """The fencing half of the compactor's claim check (``check_leases``), for moves
-        made here. Its other half, pages pinned by other holders, needs the plan's page
-        ids on the host; it guards the sidecar's API against plans from elsewhere,
-        while plans made here never touch a shared page (the planner's invariant 4,
-        property-tested), so the device path skips it rather than synchronise."""
-        try:
-            return self.leases.is_current(claim.resource, claim.token)
-        except LeaseStoreUnavailable:
-            self._leases_down_until_s = time.monotonic() + self.lease_retry_interval_s
-            raise
 
     def _commit(self, work, columns, rows_raw: Tensor, plan: BatchPlan, scores: Tensor) -> None:
         """Rows, positions, carried scores, offsets and allocator frees (device, no host

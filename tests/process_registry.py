@@ -17,10 +17,21 @@ import signal
 import subprocess
 
 _started: list[subprocess.Popen] = []
+_session: list[subprocess.Popen] = []
 
 
 def register(process: subprocess.Popen) -> subprocess.Popen:
     _started.append(process)
+    return process
+
+
+def outlive_tests(process: subprocess.Popen) -> subprocess.Popen:
+    """Take ``process`` off the per-test list: a session fixture's process, which a test
+    may start first (``request.getfixturevalue``) but must not kill at its end. It goes
+    when the test process exits, if its fixture did not stop it first."""
+    if process in _started:
+        _started.remove(process)
+    _session.append(process)
     return process
 
 
@@ -51,4 +62,10 @@ def kill_since(position: int) -> list[int]:
     return left
 
 
-atexit.register(kill_since, 0)
+def _kill_all() -> None:
+    kill_since(0)
+    for process in _session:
+        kill_group(process)
+
+
+atexit.register(_kill_all)

@@ -26,8 +26,7 @@ from sglang_evict.admission import (
 )
 from sglang_evict.config import EvictionConfig
 from sglang_evict.srt import admission as srt_admission
-from sglang_evict.srt.backend import _Active
-from sglang_evict.srt.introspection import PassTotals
+from sglang_evict.srt.active import Active, PassTotals
 from sglang_evict.srt.request_policy import attach_policy
 from sglang_evict.srt.versioned import admission_offset, req_kv
 from tests.sglang_harness import Engine
@@ -74,7 +73,7 @@ def hooked(monkeypatch):
             ScheduleBatch.check_decode_mem, srt_admission._after_check_decode_mem, HookType.AFTER
         ),
     )
-    monkeypatch.setattr(_Active, "totals", PassTotals())
+    monkeypatch.setattr(Active, "totals", PassTotals())
 
 
 def prompt(seed: int, length: int = 20) -> list[int]:
@@ -324,7 +323,7 @@ def test_a_step_that_cannot_allocate_compacts_the_most_evictable_request_first(h
     batch = engine.driver.schedule_batch(reqs)
     free_before = engine.free_token_count()
     assert batch.check_decode_mem() is True
-    totals = _Active.totals
+    totals = Active.totals
     assert totals.pressure_passes == totals.passes >= 1
     assert totals.pressure_steps == totals.pressure_steps_relieved == 1
     compacted = [r for r in reqs if engine.cache.evictor.position_offset(r.rid)]
@@ -350,7 +349,7 @@ def test_when_nothing_is_evictable_sglang_retracts_as_before(hooked):
     batch = engine.driver.schedule_batch(reqs)
     assert engine.allocator.available_size() == 0
     assert batch.check_decode_mem() is False
-    assert _Active.totals.passes == 0 and _Active.totals.pressure_steps == 0
+    assert Active.totals.passes == 0 and Active.totals.pressure_steps == 0
     engine.check()
 
 
@@ -361,7 +360,7 @@ def test_pressure_passes_can_be_turned_off(hooked):
         engine.decode_batch(reqs, [900 + step] * 3)
     assert engine.allocator.available_size() == 0
     assert engine.driver.schedule_batch(reqs).check_decode_mem() is False
-    assert _Active.totals.passes == 0
+    assert Active.totals.passes == 0
 
 
 # --- flags and config ------------------------------------------------------------------

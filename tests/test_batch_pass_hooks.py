@@ -16,7 +16,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.srt.backend import _Active
+from sglang_evict.srt.active import Active
 from sglang_evict.srt.hooks import (
     _after_forward_batch_init_new,
     _before_prepare_for_decode,
@@ -87,7 +87,7 @@ def test_decode_step_order_the_hooks_rely_on(monkeypatch):
     assert (req_kv(a).kv_committed_len, req_kv(a).kv_allocated_len) == (65, 65)
     assert int(engine.row(a)[64]) == int(batch.out_cache_loc[0])  # right after survivors
     # ForwardBatch.init_new copies these tensors; the AFTER hook adds the offsets.
-    monkeypatch.setattr(_Active, "manager", manager)
+    monkeypatch.setattr(Active, "manager", manager)
     forward_batch = ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         batch_size=2,

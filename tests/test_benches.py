@@ -207,3 +207,16 @@ def test_engine_step_time_bench_runs_its_smoke_configuration_in_the_cpu_engine(t
     assert summary["pass_steps"] > 0 and summary["pages_freed"] > 0
     assert summary["pass_host_ms_per_request"] > 0  # the pass lines carry duration_ms
     assert summary["passes_off_group"] == 0
+
+
+def test_router_bench_refuses_a_workload_without_follow_ups():
+    """``bench_router.py`` (two replicas behind the router, per policy; its servers and
+    router are ``tests/test_router.py``'s) parses its workload before starting anything."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHES / "bench_router.py"), "--turns", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "--turns must be >= 2: follow-up turns are what routing decides" in result.stderr

@@ -71,6 +71,7 @@ def test_demo_runs_sglangs_engine_with_and_without_eviction_and_plots_kv_held(ca
     sidecar = CompactorProcess(tmp_path / "compactor", pool_dir=str(pool_dir)).start()
     argv = [
         "demo",
+        *("--model", "tiny"),  # the random-weight model: fast (the default is SmolLM2)
         "--requests",
         "2",
         "--prompt-tokens",

@@ -42,6 +42,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "noweights": {"config.json": config},
         "truncated": {"config.json": config, "model.safetensors": weights[: len(weights) // 2]},
         "nomodeltype": {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"]})},
+        "arrayconfig": {"config.json": "[1, 2]"},
+        "latin1config": {"config.json": '{"model_type": "caf\xe9"}'.encode("latin-1")},
         "missing": {
             "config.json": json.dumps({**json.loads(config), "num_hidden_layers": 3}),
             "model.safetensors": weights,
@@ -62,6 +64,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     torch.save(build_tiny_llama().state_dict(), pickled / "pytorch_model.bin")
     paths["{pickle}"] = str(pickled)
 
+    (root / "stats-dir.json").mkdir()
     (root / "text.txt").write_text("calibration text " * 20)
     (root / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 20)
     paths["{text}"], paths["{latin1}"] = str(root / "text.txt"), str(root / "latin1.txt")
@@ -101,6 +104,7 @@ SERVE = ["serve", "--kv-budget", "256"]
 LOCAL = ["--model-path", "{model}", "--device", "cpu"]
 TRIATTENTION = ["--kv-budget", "500", "--kv-scorer", "triattention", "--kv-scorer-stats"]
 CALIBRATE = ["calibrate", "--text", "{text}", "--out", "{model}/../out.json", "--byte-tokens"]
+GRPC = ["--kv-compactor", "grpc"]
 
 # (case, argv, what the one line must say, environment)
 CASES = [
@@ -121,9 +125,21 @@ CASES = [
      ["calibrate", "--model-path", "{model}", "--text", "{latin1}", "--out", "x.json"],
      "--text {latin1}: not UTF-8 text", {}),
     ("calibrate --max-tokens -1", [*CALIBRATE, "--model-path", "{model}", "--max-tokens", "-1"],
-     "--max-tokens must be >= 0", {}),
+     "argument --max-tokens: -1 is out of range; allowed: [0, 2147483647]", {}),
+    ("calibrate --chunk-tokens 1e20",
+     [*CALIBRATE, "--model-path", "{model}", "--chunk-tokens", "100000000000000000000"],
+     "argument --chunk-tokens: 100000000000000000000 is out of range; allowed: [1, 2147483647]",
+     {}),
     ("calibrate without --out", ["calibrate", "--model-path", "{model}", "--text", "{text}"],
      "calibrate needs --text FILE and --out STATS", {}),
+    ("calibrate --out in a directory that cannot be created",
+     ["calibrate", "--model-path", "{model}", "--text", "{text}", "--out", "/proc/nope/x.json",
+      "--byte-tokens"],
+     "--out /proc/nope/x.json: cannot write it (cannot create /proc/nope", {}),
+    ("calibrate --out naming a directory",
+     ["calibrate", "--model-path", "{model}", "--text", "{text}", "--out",
+      "{model}/../stats-dir.json", "--byte-tokens"],
+     "--out {model}/../stats-dir.json: cannot write it (a directory)", {}),
     ("calibrate --out in an unwritable place",
      ["calibrate", "--model-path", "{model}", "--text", "{text}", "--out", "{text}/x.json",
       "--byte-tokens"],
@@ -169,7 +185,43 @@ CASES = [
       *LOCAL],
      "window mode 'cumulative' adds scores across passes", {}),
     ("serve --kv-query-window 0", [*SERVE, "--kv-query-window", "0", "--dry-run", *LOCAL],
-     "query_window_tokens=0 is out of range", {}),
+     "argument --kv-query-window: 0 is out of range; allowed: [1, 4096]", {}),
+    ("serve config.json that is not JSON",
+     [*SERVE, "--dry-run", "--model-path", "{garbage}", "--device", "cpu"],
+     "--model-path {garbage}: config.json is not valid JSON", {}),
+    ("serve config.json that is not an object",
+     [*SERVE, "--dry-run", "--model-path", "{arrayconfig}", "--device", "cpu"],
+     "--model-path {arrayconfig}: config.json must be a JSON object, got an array", {}),
+    ("serve config.json that is not UTF-8",
+     [*SERVE, "--dry-run", "--model={latin1config}", "--device", "cpu"],
+     "--model-path {latin1config}: config.json is not valid JSON", {}),
+    ("serve --kv-budget 1e20",
+     ["serve", "--kv-budget", "100000000000000000000", "--dry-run", *LOCAL],
+     "argument --kv-budget: 100000000000000000000 is out of range; allowed: [1, 2147483647]",
+     {}),
+    ("serve --kv-cadence 2**31", [*SERVE, "--kv-cadence", "2147483648", "--dry-run", *LOCAL],
+     "argument --kv-cadence: 2147483648 is out of range; allowed: [1, 2147483647]", {}),
+    ("serve --kv-compactor-timeout-ms 1e20",
+     [*SERVE, "--kv-compactor-timeout-ms", "100000000000000000000", "--dry-run", *LOCAL],
+     "argument --kv-compactor-timeout-ms: 100000000000000000000 is out of range", {}),
+    ("serve --kv-request-max-budget 1e20",
+     [*SERVE, "--kv-request-max-budget", "100000000000000000000", "--dry-run", *LOCAL],
+     "argument --kv-request-max-budget: 100000000000000000000 is out of range", {}),
+    ("simulate --tokens 1e20", ["simulate", "--kv-budget", "500", "--tokens", "1" + "0" * 20],
+     "argument --tokens: 100000000000000000000 is out of range; allowed: [1, 2147483647]", {}),
+    ("serve --kv-compactor-socket in a missing directory",
+     [*SERVE, *GRPC, "--kv-compactor-socket", "{model}/absent/c.sock", "--dry-run", *LOCAL],
+     "--kv-compactor-socket {model}/absent/c.sock: directory {model}/absent does not exist, "
+     "so the scheduler cannot reach a compactor there; start the compactor first", {}),
+    ("serve --kv-compactor-socket naming a regular file",
+     [*SERVE, *GRPC, "--kv-compactor-socket", "{text}", "--dry-run", *LOCAL],
+     "--kv-compactor-socket {text} exists and is not a socket", {}),
+    ("serve --kv-compactor-pool-dir /proc/nope",
+     [*SERVE, *GRPC, "--kv-compactor-pool-dir", "/proc/nope", "--dry-run", *LOCAL],
+     "--kv-compactor-pool-dir /proc/nope: cannot create /proc/nope", {}),
+    ("serve --kv-compactor-pool-dir naming a regular file",
+     [*SERVE, *GRPC, "--kv-compactor-pool-dir", "{text}", "--dry-run", *LOCAL],
+     "--kv-compactor-pool-dir {text}: {text} is not a directory", {}),
     ("serve malformed --kv-redis-url",
      [*SERVE, "--kv-redis-url", "redis://:pw@host:port/0", "--dry-run", *LOCAL],
      "--kv-redis-url: malformed Redis URL 'redis://:***@host:port/0'", {}),
@@ -210,6 +262,17 @@ CASES = [
      "entry 2 lacks ['peak_pages_held']", {}),
     ("simulate --page-size abc", ["simulate", "--kv-budget", "500", "--page-size", "abc"],
      "argument --page-size: invalid int value: 'abc'", {}),
+    ("demo --log-dir under a file", ["demo", "--model", "tiny", "--log-dir", "{text}/logs"],
+     "--log-dir {text}/logs: cannot create it (Not a directory)", {}),
+    ("router without --worker-urls", ["router", "--policy", "cache_aware"],
+     "the following arguments are required: --worker-urls", {}),
+    ("router worker that is not a URL", ["router", "--worker-urls", "localhost:30000"],
+     "--worker-urls takes http(s)://host:port URLs, got 'localhost:30000'", {}),
+    ("router unreachable worker",
+     ["router", "--worker-urls", "http://127.0.0.1:9", "--wait-s", "0"],
+     "worker http://127.0.0.1:9 did not answer /get_server_info within 0 s", {}),
+    ("router unknown policy", ["router", "--worker-urls", "http://127.0.0.1:9", "--policy", "x"],
+     "argument --policy: invalid choice: 'x'", {}),
 ]  # fmt: skip
 
 
@@ -262,3 +325,43 @@ def test_dry_run_without_device_on_a_machine_without_an_accelerator(inputs, caps
         "machine for SGLang to pick: add --device cpu to validate (or serve) on CPU, or run "
         "where the GPU is"
     )
+
+
+@pytest.mark.parametrize(
+    "out", ["/proc/nope/stats.json", "{text}/stats.json", "{model}/../stats-dir.json"]
+)
+def test_calibrate_refuses_an_unwritable_out_before_computing_anything(inputs, capsys, out):
+    """The output path is checked first: no model loaded, no text read, no progress."""
+    import time
+
+    for placeholder, path in inputs.items():
+        out = out.replace(placeholder, path)
+    argv = ["calibrate", "--model-path", inputs["{model}"], "--text", inputs["{text}"]]
+    started = time.monotonic()
+    code, stdout, err = run_cli([*argv, "--out", out, "--byte-tokens"], capsys)
+    assert time.monotonic() - started < 5
+    assert code == 2 and stdout == ""  # before: "calibrating on 340 tokens in 1 chunks"
+    (line,) = err.strip().splitlines()  # no weight-loading nor calibration progress bar
+    assert line.startswith(f"sglang-evict calibrate: error: --out {out}: cannot write it")
+
+
+@pytest.mark.parametrize("where", ["default", "existing directory"])
+def test_dry_run_takes_a_socket_the_compactor_has_not_created_yet(
+    inputs, capsys, monkeypatch, tmp_path, where
+):
+    """The compactor creates its socket's directory when it starts; a dry run refuses a
+    missing one, except for the default socket, which the compactor makes at its default
+    path (a dry run before the compactor is started must pass)."""
+    from compactor_service import runtime_dir
+
+    if where == "default":
+        socket = tmp_path / "runtime" / "compactor.sock"  # directory not created
+        monkeypatch.setattr(runtime_dir, "DEFAULT_SOCKET", str(socket))
+    else:
+        socket = tmp_path / "compactor.sock"  # directory there, no socket yet
+    argv = [*SERVE, *GRPC, "--kv-compactor-socket", str(socket), "--dry-run"]
+    argv += ["--kv-compactor-pool-dir", str(tmp_path / "pool"), "--model-path", inputs["{model}"]]
+    code, out, err = run_cli([*argv, "--device", "cpu"], capsys)
+    assert code == 0, err
+    assert out.startswith("# checks passed")
+    assert not (tmp_path / "pool").exists()  # checked, not created: a dry run starts nothing

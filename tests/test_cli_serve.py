@@ -73,11 +73,12 @@ def _factory_verdict(server_args, policy: dict) -> str | None:
     """What a scheduler's radix-cache factory says for these server args and policy."""
     from sglang.srt.configs.model_config import ModelConfig
 
-    from sglang_evict.srt.backend import _Active, radix_cache_factory
+    from sglang_evict.srt.active import Active
+    from sglang_evict.srt.backend import radix_cache_factory
 
     previous = os.environ.get(CONFIG_ENV)
     os.environ[CONFIG_ENV] = json.dumps(policy)
-    manager = _Active.manager
+    manager = Active.manager
     try:
         context = build_context(
             Engine(page_size=16),
@@ -89,7 +90,7 @@ def _factory_verdict(server_args, policy: dict) -> str | None:
     except ValueError as error:
         return str(error)
     finally:
-        _Active.manager = manager
+        Active.manager = manager
         if previous is None:
             os.environ.pop(CONFIG_ENV)
         else:

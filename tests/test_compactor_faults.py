@@ -198,7 +198,7 @@ def test_redis_restart_mid_run_pauses_compaction_and_serving_goes_on(tmp_path, m
     driver = make_driver(model, lease_store="redis", redis_url=redis.url)
     # Retry the store at every step (default: pause 1 s after a failure), so that the
     # steps after the restart are not all inside a pause on a fast machine.
-    driver.evictor.lease_retry_interval_s = 0.0
+    driver.evictor.lease.retry_interval_s = 0.0
     outage = range(30, 45)  # decode steps without Redis
     failures_during_outage = []
     original = driver.prepare_decode
@@ -261,14 +261,14 @@ def test_shared_prefix_pages_are_pinned_while_locked_and_the_compactor_refuses_t
         req.output_ids.append(0)
         driver.finish(req)
     assert store.pinned(shared_pages) == []
-    assert manager.pin_failures == 0
+    assert manager.lease.pin_failures == 0
     assert_nothing_leaked(driver)
 
 
 def test_an_unreachable_lease_store_pauses_passes_instead_of_being_called_every_step(model):
     driver = make_driver(model, lease_store="redis", redis_url="redis://127.0.0.1:1/0")
     manager = driver.evictor
-    manager.lease_retry_interval_s = 3600.0
+    manager.lease.retry_interval_s = 3600.0
     calls = []
     acquire = manager.leases.acquire
 

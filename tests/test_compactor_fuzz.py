@@ -3,7 +3,9 @@
 leases in a real Redis. Every generated call is malformed by construction: each must be
 refused with its specific status (never UNKNOWN, INTERNAL or OK), leave every byte of
 the pool's shared memory as it was, and leave the server serving; a valid pass goes
-through at the end.
+through at the end. Cases by element count (empty plans or buffer handles over their
+bounds, fields over a level's budget) and wire bytes malformed where the servicer walks
+them before parsing (``compactor_service.wire_bounds``) are among them.
 
 ``SGLANG_EVICT_FUZZ_CASES`` (default 1000) and ``SGLANG_EVICT_FUZZ_SEED`` choose the
 run; a failure prints the seed and case to replay.
@@ -23,7 +25,12 @@ import pytest
 import torch
 
 from compactor_service.health import check_health
-from compactor_service.limits import MAX_DETAIL_CHARS
+from compactor_service.limits import (
+    FIELDS_PER_MESSAGE,
+    MAX_DETAIL_CHARS,
+    MAX_LAYERS,
+    MAX_SMALL_REQUEST_BYTES,
+)
 from compactor_service.redis_leases import RedisLeaseStore
 from compactor_service.runtime_dir import DEFAULT_POOL_DIR
 from compactor_service.v1 import compactor_pb2 as pb
@@ -118,6 +125,54 @@ def out_of_range(rng: random.Random, high: int) -> int:
     return rng.choice([rng.randint(-(2**63), -1), rng.randint(high, 2**63 - 1), -1, high])
 
 
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def length_delimited(number: int, payload: bytes) -> bytes:
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
+def unknown_fields(rng: random.Random, count: int) -> bytes:
+    """``count`` fields no message declares (numbers 100..200), of every wire type."""
+    fields = []
+    for _ in range(count):
+        number = rng.randint(100, 200)
+        fields.append(
+            rng.choice(
+                [
+                    varint(number << 3) + varint(rng.randint(0, 2**64 - 1)),
+                    varint(number << 3 | 1) + rng.randbytes(8),
+                    length_delimited(number, rng.randbytes(rng.randint(0, 8))),
+                    varint(number << 3 | 5) + rng.randbytes(4),
+                ]
+            )
+        )
+    return b"".join(fields)
+
+
+def malformed_wire(rng: random.Random, valid: bytes, nested: int) -> bytes:
+    """``valid`` followed by a field the walk cannot read (a request's bytes may end with
+    more fields: the parser merges them); ``nested``: the number of a message-typed
+    field of the request (the walk enters it)."""
+    tag = bytes([nested << 3 | 2])
+    return valid + rng.choice(
+        [
+            bytes([rng.choice([3, 4, 6, 7]) | rng.randint(1, 15) << 3]),  # a group, 6, 7
+            b"\x02\x00",  # field number 0
+            b"\x10" + b"\xff" * 10 + b"\x01",  # a varint of 11 bytes
+            b"\x10\xff",  # a varint cut short
+            tag + varint(rng.randint(1, 1 << 20)),  # a length past the end
+            tag + b"\x03\x0a\x09x",  # a field of the nested message past its end
+        ]
+    )
+
+
 # --- Compact ---------------------------------------------------------------------------
 
 Case = tuple[str, str, bytes, set]  # (what, method, request bytes, acceptable codes)
@@ -191,10 +246,36 @@ def compact_case(rng: random.Random, t: Target) -> Case:
             "plan array",
             "plans: shared source",
             "plans: write into the other row",
+            "plans: empty, over the bound",
+            "fields: over the budget",
+            "wire: malformed",
             "bytes",
         ]
     )
     expected = {Code.INVALID_ARGUMENT}
+    if kind == "plans: empty, over the bound":  # a valid pool, so no status but this one
+        request = compact(t, plans=[]).SerializeToString()
+        empty = b"\x22\x00" * rng.randint(MAX_PLANS + 1, 100_000)
+        return kind, "Compact", request + empty, {Code.RESOURCE_EXHAUSTED}
+    if kind == "fields: over the budget":
+        request = compact(t)
+        level = rng.choice(["request", "plan", "claim"])
+        budget = {
+            "request": FIELDS_PER_MESSAGE + MAX_PLANS,
+            "plan": FIELDS_PER_MESSAGE * MAX_PLANS,
+            "claim": FIELDS_PER_MESSAGE,
+        }[level]
+        extra = unknown_fields(rng, rng.randint(budget + 1, 4 * budget))
+        if level == "request":
+            data = request.SerializeToString() + extra
+        else:
+            data = request.SerializeToString() + length_delimited(
+                4 if level == "plan" else 3, extra
+            )
+        return f"{kind} ({level})", "Compact", data, {Code.RESOURCE_EXHAUSTED}
+    if kind == "wire: malformed":
+        data = malformed_wire(rng, compact(t).SerializeToString(), nested=4)  # plans
+        return kind, "Compact", data, {Code.INVALID_ARGUMENT}
     if kind == "pool_id":
         pool_id = text(rng)
         request, expected = (
@@ -269,11 +350,26 @@ def register_case(rng: random.Random, t: Target) -> Case:
             "cuda on a CPU buffer",
             "cuda layout",
             "client_id",
+            "handles: empty, over MAX_LAYERS",
+            "layout: over the field budget",
+            "wire: malformed",
             "bytes",
         ]
     )
     expected = {Code.INVALID_ARGUMENT}
     client_id = "fuzz-register"
+    if kind == "handles: empty, over MAX_LAYERS":
+        handle = rng.choice([b"\x4a\x00", b"\x52\x00"])  # k_buffers (9), v_buffers (10)
+        body = layout.SerializeToString() + handle * rng.randint(MAX_LAYERS + 1, 100_000)
+        return kind, "RegisterPool", length_delimited(1, body), {Code.RESOURCE_EXHAUSTED}
+    if kind == "layout: over the field budget":
+        budget = FIELDS_PER_MESSAGE + 2 * MAX_LAYERS
+        body = layout.SerializeToString() + unknown_fields(rng, rng.randint(budget + 1, 10_000))
+        return kind, "RegisterPool", length_delimited(1, body), {Code.RESOURCE_EXHAUSTED}
+    if kind == "wire: malformed":
+        request = pb.RegisterPoolRequest(layout=layout).SerializeToString()
+        data = malformed_wire(rng, request, nested=1)  # layout
+        return kind, "RegisterPool", data, {Code.INVALID_ARGUMENT}
     # Values that change the pool file's size (or are invalid outright): a value that
     # keeps the size would describe the same file and be a valid registration.
     if kind == "num_layers":
@@ -345,23 +441,35 @@ def register_case(rng: random.Random, t: Target) -> Case:
 # --- Heartbeat, UnregisterPool, Stats ---------------------------------------------------
 
 
+# Random bytes that happen to walk as more fields than a small request may hold (16:
+# about one chance in 2^16) are refused for it.
+SMALL_GARBAGE = {Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED}
+
+
 def pool_call_case(method: str, request_type) -> Callable[[random.Random, Target], Case]:
     def case(rng: random.Random, t: Target) -> Case:
-        kind = rng.choice(["pool_id", "epoch", "bytes"])
-        if kind == "pool_id":
+        kind = rng.choice(["pool_id", "epoch", "fields: over the budget", "bytes"])
+        if kind == "pool_id":  # a pool id longer than the method's message limit allows
             request = request_type(pool_id=text(rng) or "none", epoch=t.epoch)
-            return kind, method, request.SerializeToString(), {Code.NOT_FOUND}
+            data = request.SerializeToString()
+            if len(data) > MAX_SMALL_REQUEST_BYTES:
+                return "pool_id: over the message limit", method, data, {Code.RESOURCE_EXHAUSTED}
+            return kind, method, data, {Code.NOT_FOUND}
         if kind == "epoch":
             request = request_type(pool_id=t.pool_id, epoch=rng.choice([0, t.epoch + 1]))
             return kind, method, request.SerializeToString(), {Code.FAILED_PRECONDITION}
-        return kind, method, garbage(rng), {Code.INVALID_ARGUMENT, Code.NOT_FOUND}
+        if kind == "fields: over the budget":
+            request = request_type(pool_id=t.pool_id, epoch=t.epoch).SerializeToString()
+            extra = unknown_fields(rng, rng.randint(FIELDS_PER_MESSAGE, 1000))
+            return kind, method, request + extra, {Code.RESOURCE_EXHAUSTED}
+        return kind, method, garbage(rng), SMALL_GARBAGE | {Code.NOT_FOUND}
 
     return case
 
 
 def stats_case(rng: random.Random, t: Target) -> Case:
     # Stats has no field: bytes either parse (unknown fields are proto3-legal) or not.
-    return "bytes", "Stats", garbage(rng), {Code.OK, Code.INVALID_ARGUMENT}
+    return "bytes", "Stats", garbage(rng), SMALL_GARBAGE | {Code.OK}
 
 
 GENERATORS = [

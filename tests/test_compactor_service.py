@@ -191,6 +191,35 @@ def test_sigterm_drains_then_exits_zero_and_removes_the_socket(tmp_path):
     assert messages[-2:] == ["shutdown requested", "compactor stopped"]
 
 
+# tgkill(2)'s number: the only way to send a signal to one thread of another process.
+TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
+
+
+@pytest.mark.skipif(TGKILL is None, reason="tgkill's syscall number is known for x86-64/arm64")
+def test_sigterm_delivered_to_a_grpc_thread_still_drains_and_exits(tmp_path):
+    """The kernel may hand a process's SIGTERM to any of its threads; Python runs the
+    handler in the main thread only when that thread next runs bytecode, so a main
+    thread asleep in an untimed wait never drains (kubelet's SIGTERM ignored until its
+    SIGKILL). Sent here to a thread that is not the main one, as tgkill does."""
+    import ctypes
+    import signal
+    import time
+
+    process = CompactorProcess(tmp_path).start()
+    pid = process.process.pid
+    threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid]
+    assert threads, "the serving compactor runs gRPC threads beside its main thread"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(TGKILL, pid, threads[-1], signal.SIGTERM) == 0
+    start = time.monotonic()
+    assert process.process.wait(15) == 0
+    assert time.monotonic() - start < 10
+    assert [e["msg"] for e in process.log_entries()][-2:] == [
+        "shutdown requested",
+        "compactor stopped",
+    ]
+
+
 def test_tcp_listener_only_when_asked(tmp_path):
     from tests.redis_server import free_port
 

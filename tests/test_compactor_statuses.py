@@ -76,11 +76,18 @@ def _requests(reply, layout, lease) -> dict:
             grpc.StatusCode.INVALID_ARGUMENT,
             "is longer than 256 characters",
         ),
+        # Under the 64 KiB a small method may take (limits.MAX_SMALL_REQUEST_BYTES).
+        "60 kB pool id to unregister": (
+            "UnregisterPool",
+            pb.UnregisterPoolRequest(pool_id="p" * 60_000, epoch=reply.epoch),
+            grpc.StatusCode.NOT_FOUND,
+            "is not registered",
+        ),
         "1 MB pool id to unregister": (
             "UnregisterPool",
             pb.UnregisterPoolRequest(pool_id=HUGE, epoch=reply.epoch),
-            grpc.StatusCode.NOT_FOUND,
-            "is not registered",
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "more than 65536 bytes",
         ),
     }
 
@@ -91,6 +98,7 @@ CASES = [
     "garbage IPC bytes",
     "a directory as the pool file",
     "1 MB client id",
+    "60 kB pool id to unregister",
     "1 MB pool id to unregister",
 ]
 

@@ -9,7 +9,8 @@ import pytest
 
 from tests.engine_harness import BUDGET, CADENCE, EngineSpec, assert_clean_after, greedy
 
-pytestmark = pytest.mark.engine
+# Every test here runs on each supported SGLang release (a surface that differs).
+pytestmark = [pytest.mark.engine, pytest.mark.release_smoke]
 
 POOL_TOKENS = 512
 NEW_TOKENS = 128

@@ -148,6 +148,7 @@ def test_engine_outputs_equal_the_cpu_reference_loop_with_query_scorers(
     )
 
 
+@pytest.mark.release_smoke  # prefill capture and prompt eviction, on every release
 def test_an_evictable_prompt_is_scored_at_its_first_pass_by_its_prefill_queries(
     engines, reference_model, tokenizer
 ):

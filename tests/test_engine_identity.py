@@ -48,14 +48,22 @@ def triattention_stats(engine_model, tmp_path_factory):
     return str(out)
 
 
+# The cases CI also runs on the other SGLang release: both page-size paths of the
+# allocator hand-over.
+ON_EVERY_RELEASE = pytest.mark.release_smoke
+
 # (page size, the server's scorer, the scorer the requests choose (None: the server's),
 # compaction, overlap scheduler). Requests choosing their scorer (a per-request policy)
 # share the page-1 streaming engine.
 CASES = [
-    pytest.param(1, "streaming", None, "hole_fill", True, id="page1-streaming"),
+    pytest.param(
+        1, "streaming", None, "hole_fill", True, id="page1-streaming", marks=ON_EVERY_RELEASE
+    ),
     pytest.param(1, "streaming", None, "hole_fill", False, id="page1-streaming-no-overlap"),
     pytest.param(1, "streaming", "knorm", "hole_fill", True, id="page1-knorm-per-request"),
-    pytest.param(4, "knorm", None, "hole_fill", True, id="page4-hole_fill-knorm"),
+    pytest.param(
+        4, "knorm", None, "hole_fill", True, id="page4-hole_fill-knorm", marks=ON_EVERY_RELEASE
+    ),
     pytest.param(4, "triattention", None, "repack", True, id="page4-repack-triattention"),
 ]
 

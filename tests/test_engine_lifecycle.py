@@ -18,7 +18,8 @@ from tests.engine_harness import (
     reference_outputs,
 )
 
-pytestmark = pytest.mark.engine
+# Every test here runs on each supported SGLang release (a surface that differs).
+pytestmark = [pytest.mark.engine, pytest.mark.release_smoke]
 
 LONG = 4 * BUDGET
 

@@ -11,7 +11,8 @@ import pytest
 
 from tests.engine_harness import BUDGET, CADENCE, EngineSpec, greedy
 
-pytestmark = pytest.mark.engine
+# Every test here runs on each supported SGLang release (a surface that differs).
+pytestmark = [pytest.mark.engine, pytest.mark.release_smoke]
 
 NEW_TOKENS = 4 * BUDGET + 8
 

@@ -9,7 +9,8 @@ import pytest
 
 from tests.engine_harness import BUDGET, POLICY_SERVER, greedy, prometheus_samples
 
-pytestmark = pytest.mark.engine
+# Every test here runs on each supported SGLang release (a surface that differs).
+pytestmark = [pytest.mark.engine, pytest.mark.release_smoke]
 
 NEW_TOKENS = 4 * BUDGET + 8
 PAGE_SIZE = 1

@@ -34,7 +34,8 @@ from tests.engine_harness import (
 )
 from tests.test_request_policy import BAD_VALUES
 
-pytestmark = pytest.mark.engine
+# Every test here runs on each supported SGLang release (a surface that differs).
+pytestmark = [pytest.mark.engine, pytest.mark.release_smoke]
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are a helpful assistant. Answer the question step by step."

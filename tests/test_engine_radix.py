@@ -16,7 +16,8 @@ from tests.engine_harness import (
     reference_outputs,
 )
 
-pytestmark = pytest.mark.engine
+# Every test here runs on each supported SGLang release (a surface that differs).
+pytestmark = [pytest.mark.engine, pytest.mark.release_smoke]
 
 NEW_TOKENS = 3 * BUDGET
 

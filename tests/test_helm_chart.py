@@ -39,6 +39,8 @@ CHART = ROOT / "helm" / "sglang-evict"
 RELEASE = "demo"
 NAMESPACE = "llm"
 FULLNAME = "demo-sglang-evict"
+ROUTER = f"{FULLNAME}-router"
+ROUTER_POLICIES = ["cache_aware", "round_robin", "random", "power_of_two", "manual"]
 SOCKET = "/run/sglang-evict/compactor/compactor.sock"
 # The Kubernetes version Helm's client-only render reports (Capabilities.KubeVersion of
 # helm-python-sdk 0.2.2), and the oldest ones the chart supports: any placement but
@@ -60,6 +62,7 @@ EVICTION_METRICS = {
     "sglang_evict:slot_copies_total",
     "sglang_evict:bytes_moved_total",
     "sglang_evict:pass_failures_total",
+    "sglang_evict:pass_failure_streak",
     "sglang_evict:pressure_passes_total",
     "sglang_evict:lease_release_failures_total",
     "sglang_evict:pass_forced_completions_total",
@@ -84,6 +87,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "tp2": {"sglang": {"tpSize": 2, "shmSize": "32Gi"}},
     "compactor-off": {"compactor": {"enabled": False}},
+    # Replicas behind SGLang's router, without the SGLang Service (discovery needs none).
+    "router": {
+        "replicaCount": 3,
+        "router": {
+            "enabled": True,
+            "extraArgs": ["--cache-threshold", "0.5"],
+            "nodeSelector": {"pool": "cpu"},
+        },
+        "service": {"enabled": False},
+    },
     "everything-on": {
         "model": {
             "path": "/models/Qwen2.5-7B-Instruct",
@@ -114,6 +127,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             ],
         },
         "redis": {"enabled": False},  # several pods: in-process leases (see the refusals)
+        "router": {"enabled": True, "policy": "power_of_two"},
         "podAnnotations": {"team": "inference"},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     },
@@ -163,6 +177,12 @@ class Release:
     @property
     def pod(self) -> dict[str, Any]:
         return self.deployment["spec"]["template"]["spec"]
+
+    @property
+    def router(self) -> dict[str, Any]:
+        """The router's only container."""
+        (container,) = self.get("Deployment", ROUTER)["spec"]["template"]["spec"]["containers"]
+        return container
 
     def container(self, name: str) -> dict[str, Any]:
         pod = self.pod
@@ -358,6 +378,7 @@ def test_schema_is_closed_and_matches_values_yaml(chart):
         ({"redis": {"enable": False}}, "enable"),
         ({"tracing": {"otlpEndpoint": "http://collector:4317"}}, "/tracing/otlpEndpoint"),
         ({"replicas": 2}, "replicas"),
+        ({"router": {"enabled": True, "policy": "least_loaded"}}, "/router/policy"),
     ],
     ids=[
         "budget-string",
@@ -369,6 +390,7 @@ def test_schema_is_closed_and_matches_values_yaml(chart):
         "typo-redis",
         "endpoint-with-scheme",
         "typo-top-level",
+        "unknown-router-policy",
     ],
 )
 def test_schema_rejects_bad_values(chart, values, complaint):
@@ -394,8 +416,6 @@ def test_replicas_sharing_redis_use_one_lease_namespace_per_pod(render, placemen
 @pytest.mark.parametrize(
     ("values", "complaint"),
     [
-        ({"eviction": {"kvScorer": "window"}}, "refuses it for now"),
-        ({"eviction": {"kvScorer": "rkv"}}, "refuses it for now"),
         (
             {
                 "eviction": {"kvScorer": "triattention", "scorerStats": {"configMap": "s"}},
@@ -429,10 +449,28 @@ def test_replicas_sharing_redis_use_one_lease_namespace_per_pod(render, placemen
             {"autoscaling": {"enabled": True}, "redis": {"enabled": False}},
             "needs autoscaling.metrics",
         ),
+        (
+            {"router": {"enabled": True, "extraArgs": ["--policy", "random"]}},
+            "router.extraArgs: --policy is set by the chart; set router.policy instead",
+        ),
+        (
+            {"router": {"enabled": True, "extraArgs": ["--port=8080"]}},
+            "--port is set by the chart; set router.port instead",
+        ),
+        (
+            {"router": {"enabled": True, "extraArgs": ["--service-discovery-port", "8000"]}},
+            "--service-discovery-port is set by the chart; set sglang.port instead",
+        ),
+        (
+            {"router": {"enabled": True, "extraArgs": ["--selector", "app=other"]}},
+            "--selector is set by the chart; the chart discovers this release's SGLang pods",
+        ),
+        (
+            {"router": {"enabled": True, "port": 29000}},
+            "router.port and router.prometheusPort are both 29000",
+        ),
     ],
     ids=[
-        "window",
-        "rkv",
         "triattention-tp2",
         "triattention-no-stats",
         "two-stats-sources",
@@ -445,6 +483,11 @@ def test_replicas_sharing_redis_use_one_lease_namespace_per_pod(render, placemen
         "sidecar-without-claim",
         "servicemonitor-without-metrics",
         "hpa-without-metrics",
+        "router-policy-flag",
+        "router-port-flag",
+        "router-discovery-port-flag",
+        "router-selector-flag",
+        "router-ports-clash",
     ],
 )
 def test_refused_combinations_fail_with_the_fix(chart, values, complaint):
@@ -499,6 +542,19 @@ def test_each_template_renders_at_most_one_object(render, values):
 
 
 # --- the SGLang Deployment -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scorer", ["window", "rkv"])
+def test_scorers_reading_captured_queries_render(render, scorer):
+    """The server captures queries inside the attention, so the chart passes these on."""
+    args = server_argv(render({"eviction": {"kvScorer": scorer}}))
+    assert flag_value(args, "--kv-scorer") == scorer
+
+
+def test_the_default_scorer_is_the_plugins(render):
+    from sglang_evict.config import DEFAULT_SCORER
+
+    assert flag_value(server_argv(render("defaults")), "--kv-scorer") == DEFAULT_SCORER
 
 
 def test_eviction_flags_reach_the_server_command(render):
@@ -628,7 +684,7 @@ def test_model_pvc_and_scorer_stats_are_mounted_read_only(render):
     )
 
 
-@pytest.mark.parametrize("values", ["defaults", "sidecar-dra", "everything-on"])
+@pytest.mark.parametrize("values", ["defaults", "sidecar-dra", "everything-on", "router"])
 def test_security_defaults(render, values):
     release = render(values)
     for obj in release.all("Deployment"):
@@ -636,7 +692,8 @@ def test_security_defaults(render, values):
         name = obj["metadata"]["name"]
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert isinstance(pod["securityContext"]["runAsUser"], int), name
-        assert pod["automountServiceAccountToken"] is False, name
+        # Only the router talks to the API server (service discovery, its own Role).
+        assert pod["automountServiceAccountToken"] is (name == ROUTER), name
         assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
         for container in pod["containers"] + pod.get("initContainers", []):
             where = f"{name}/{container['name']}"
@@ -745,7 +802,8 @@ def test_compactor_socket_is_never_a_port(render, values):
     release = render(values)
     for service in release.all("Service"):
         names = {port["name"] for port in service["spec"]["ports"]}
-        assert names in ({"http"}, {"redis"}), service["metadata"]["name"]
+        allowed = [{"http", "metrics"}] if service["metadata"]["name"] == ROUTER else []
+        assert names in [{"http"}, {"redis"}, *allowed], service["metadata"]["name"]
     for container in release.pod["containers"] + release.pod.get("initContainers", []):
         assert [p["name"] for p in container.get("ports", [])] in ([], ["http"])
         assert "--tcp" not in argv(container)
@@ -948,7 +1006,7 @@ def test_grafana_dashboard_covers_the_eviction_metrics(render):
     config_map = release.get("ConfigMap", f"{FULLNAME}-dashboard")
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
     dashboard = json.loads(config_map["data"]["sglang-evict.json"])
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = set()
     for expr in exprs:
         for name in re.findall(r"sglang_evict:[a-z_]+", expr):
@@ -976,8 +1034,8 @@ def test_dashboard_metric_names_match_the_plugin():
 
 
 def test_overrides_shown_in_the_docs_render(render):
-    readme = (ROOT / "README.md").read_text()
-    text = readme.split("\n## Kubernetes\n", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "kubernetes.md").read_text()
+    text = page.split("\n## Kubernetes\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
     assert len(blocks) == 1
     release = render(yaml.safe_load(blocks[0]))
@@ -995,6 +1053,156 @@ def test_notes_explain_how_to_reach_the_server_metrics_and_traces(render):
     assert "compactor-health --socket " + SOCKET in notes
     assert "Traces:" in notes
     assert "sglang.enableMetrics=true" in render({"sglang": {"enableMetrics": False}}).notes
+
+
+def test_dashboard_sums_over_replicas_and_shows_each_replica():
+    """The fleet view: each of the plugin's main counters summed over every selected
+    replica, and again per replica, by the pod label the other panels use."""
+    dashboard = json.loads((CHART / "dashboards" / "sglang-evict.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert "label_values(sglang_evict:passes_total" in variables["pod"]["definition"]
+    assert variables["pod"]["includeAll"] and variables["pod"]["multi"]
+    exprs = [
+        (p["title"], t["expr"])
+        for p in dashboard["panels"]
+        if p["type"] != "row"
+        for t in p["targets"]
+    ]
+    every = [expr for _, expr in exprs]
+    for expr in every:  # every panel follows the namespace and pod choice
+        for selector in re.findall(r"sglang_evict:[a-z_]+(\{[^}]*\})", expr):
+            assert 'pod=~"$pod"' in selector, expr
+    per_replica = [expr for title, expr in exprs if title.endswith("per replica")]
+    for counter in ("tokens_evicted_total", "passes_total", "pages_freed_total"):
+        rate = f"rate(sglang_evict:{counter}{{"
+        assert any(e.startswith(f"sum({rate}") for e in every), f"no fleet sum of {counter}"
+        assert any(e.startswith(f"sum by (pod) ({rate}") for e in per_replica), counter
+    assert any(e.startswith("sum(rate(sglang_evict:pass_failures_total{") for e in every)
+    assert any("sum by (pod, le)" in e and "pass_duration_seconds_bucket" in e for e in every)
+    rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
+    assert "Per replica" in rows
+
+
+# --- SGLang's router -------------------------------------------------------------------
+
+
+def selector_argument(arguments: list[str]) -> dict[str, str]:
+    """The labels of the router's `--selector key=value ...` (argparse nargs="+")."""
+    start = arguments.index("--selector") + 1
+    end = next(i for i in range(start, len(arguments)) if arguments[i].startswith("--"))
+    return dict(label.split("=", 1) for label in arguments[start:end])
+
+
+def test_router_is_off_by_default(render):
+    release = render("defaults")
+    assert not [o for o in release.objects if ROUTER == o["metadata"]["name"]]
+    assert not release.all("Role") and not release.all("RoleBinding")
+    assert "router" not in release.notes
+
+
+@pytest.mark.parametrize("values", ["router", "everything-on"])
+def test_router_discovers_the_server_pods_by_their_selector_labels(render, values):
+    release = render(values)
+    router, router_deployment = release.router, release.get("Deployment", ROUTER)
+    assert router["command"] == ["python3", "-m", "sglang_router.launch_router"]
+    args = router["args"]
+    server_selector = release.deployment["spec"]["selector"]["matchLabels"]
+    assert selector_argument(args) == server_selector
+    pod_labels = release.deployment["spec"]["template"]["metadata"]["labels"]
+    assert server_selector.items() <= pod_labels.items()
+    router_labels = router_deployment["spec"]["template"]["metadata"]["labels"]
+    assert not server_selector.items() <= router_labels.items()  # it never routes to itself
+    assert "--service-discovery" in args
+    assert flag_value(args, "--service-discovery-port") == "30000"  # sglang.port
+    assert flag_value(args, "--service-discovery-namespace") == NAMESPACE
+    assert flag_value(args, "--host") == "0.0.0.0"
+    assert flag_value(args, "--port") == "30080"
+    assert flag_value(args, "--prometheus-port") == "29000"
+    assert "--worker-urls" not in args
+    service = release.get("Service", ROUTER)
+    assert service["spec"]["selector"] == router_deployment["spec"]["selector"]["matchLabels"]
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        "http": 30080,
+        "metrics": 29000,
+    }
+
+
+def test_router_works_without_the_sglang_service_and_the_service_stays_otherwise(render):
+    without = render("router")  # service.enabled: false, replicaCount: 3
+    assert not [s for s in without.all("Service") if s["metadata"]["name"] == FULLNAME]
+    assert without.deployment["spec"]["replicas"] == 3
+    assert without.router["args"][-2:] == ["--cache-threshold", "0.5"]  # extraArgs appended
+    pod = without.get("Deployment", ROUTER)["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "cpu"}
+    assert "nodeSelector" not in without.pod  # the server's placement is its own
+    with_hpa = render("everything-on")
+    assert with_hpa.get("Service", FULLNAME)  # direct per-replica access stays
+    assert "replicas" not in with_hpa.deployment["spec"]  # the HPA's
+    assert with_hpa.get("ServiceMonitor", ROUTER)["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+@pytest.mark.parametrize("policy", [None, *ROUTER_POLICIES])
+def test_router_policy_reaches_the_command(render, policy):
+    router = {"enabled": True} | ({"policy": policy} if policy else {})
+    args = render({"router": router}).router["args"]
+    assert flag_value(args, "--policy") == (policy or "cache_aware")
+
+
+def test_router_image_defaults_to_the_charts_image(render, chart):
+    app_version = chart.metadata["appVersion"]
+    assert render("router").router["image"] == f"sglang-evict:{app_version}"
+    own = render({"router": {"enabled": True}, "image": {"repository": "reg/se", "tag": "dev"}})
+    assert own.router["image"] == "reg/se:dev"
+    other = render({"router": {"enabled": True, "image": {"repository": "reg/r", "tag": "1"}}})
+    assert other.router["image"] == "reg/r:1"
+
+
+def test_router_rbac_is_a_namespaced_role_to_read_pods(render):
+    release = render("router")
+    kinds = {kind for kind, _ in release.kinds()}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
+    role = release.get("Role", ROUTER)
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    binding = release.get("RoleBinding", ROUTER)
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": ROUTER,
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": ROUTER, "namespace": NAMESPACE}
+    ]
+    account = release.get("ServiceAccount", ROUTER)
+    assert account.get("automountServiceAccountToken") is not False
+    pod = release.get("Deployment", ROUTER)["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == ROUTER
+    assert pod["automountServiceAccountToken"] is True
+    assert release.pod["serviceAccountName"] != ROUTER  # the server has no API access
+
+
+def test_router_probes_its_health_and_readiness(render):
+    router = render("router").router
+    assert router["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert router["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
+    ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    assert ports == {"http": 30080, "metrics": 29000}
+
+
+def test_notes_send_traffic_to_the_router_when_it_is_on(render):
+    notes = render("everything-on").notes
+    assert f"kubectl -n {NAMESPACE} port-forward svc/{ROUTER} 30080:30080" in notes
+    assert f"http://{ROUTER}.{NAMESPACE}.svc:30080" in notes
+    assert "direct per-replica access" in notes
+    # The SGLang Service is still named, for direct access only.
+    assert f"http://{FULLNAME}.{NAMESPACE}.svc:30000 (one replica per connection" in notes
+    assert f"svc/{ROUTER}" in render("router").notes  # without the SGLang Service too
+    # Not Ready: the pods its selector should match, listed with the same labels.
+    selector = render("everything-on").get("Deployment", FULLNAME)["spec"]["selector"]
+    labels = ",".join(f"{k}={v}" for k, v in selector["matchLabels"].items())
+    assert f"get pods -l {labels})" in notes
+    assert "custom_params) reaches the replicas on /v1/completions" in notes
 
 
 # --- the scripts, run for real ---------------------------------------------------------

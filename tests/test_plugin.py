@@ -27,7 +27,8 @@ from sglang_evict.srt import (
     check_sglang_version,
     version_problem,
 )
-from sglang_evict.srt.backend import EvictingRadixCache, _Active, radix_cache_factory
+from sglang_evict.srt.active import Active
+from sglang_evict.srt.backend import EvictingRadixCache, radix_cache_factory
 from sglang_evict.srt.hooks import _after_forward_batch_init_new
 from sglang_evict.srt.server_args import CONFIG_ENV, config_from_env, startup_problems
 from sglang_evict.srt.versioned import req_kv
@@ -148,10 +149,10 @@ def build_context(engine: Engine, server_args: ServerArgs, **overrides) -> TreeC
 def test_backend_factory_builds_the_evicting_cache(monkeypatch):
     engine = Engine(page_size=16)
     monkeypatch.setenv(CONFIG_ENV, json.dumps({"kv_budget_tokens": 256, "scorer": "streaming"}))
-    monkeypatch.setattr(_Active, "manager", None)
+    monkeypatch.setattr(Active, "manager", None)
     cache = radix_cache_factory(build_context(engine, ServerArgs(model_path="dummy", device="cpu")))
     assert isinstance(cache, EvictingRadixCache)
-    assert cache.evictor.config.page_size == 16 and _Active.manager is cache.evictor
+    assert cache.evictor.config.page_size == 16 and Active.manager is cache.evictor
 
 
 def test_backend_factory_refuses_hybrid_models_and_bad_flags(monkeypatch):
@@ -169,7 +170,7 @@ def test_backend_factory_refuses_hybrid_models_and_bad_flags(monkeypatch):
 def test_backend_serves_query_reading_scorers_but_not_under_torch_compile(monkeypatch, scorer):
     engine = Engine(page_size=16)
     monkeypatch.setenv(CONFIG_ENV, json.dumps({"kv_budget_tokens": 256, "scorer": scorer}))
-    monkeypatch.setattr(_Active, "manager", None)
+    monkeypatch.setattr(Active, "manager", None)
     server_args = ServerArgs(model_path="dummy", device="cpu")
     cache = radix_cache_factory(build_context(engine, server_args))
     assert cache.evictor.scorer.name == scorer
@@ -210,7 +211,7 @@ def test_backend_refuses_triattention_stats_of_another_model_naming_both_shapes(
     monkeypatch.setenv(
         CONFIG_ENV, json.dumps({**policy, "scorer_params": {"stats_path": str(stats)}})
     )
-    monkeypatch.setattr(_Active, "manager", None)
+    monkeypatch.setattr(Active, "manager", None)
     context = build_context(
         Engine(page_size=16),
         ServerArgs(model_path="dummy", device="cpu"),
@@ -254,7 +255,7 @@ def test_forward_batch_hook_adds_each_requests_position_offset(monkeypatch):
         engine.decode_step(req, step)
     offset = engine.position_offset(req)
     assert offset > 0
-    monkeypatch.setattr(_Active, "manager", engine.cache.evictor)
+    monkeypatch.setattr(Active, "manager", engine.cache.evictor)
     seq_lens = torch.tensor([req_kv(req).kv_committed_len + 1, 5])
     forward_batch = ForwardBatch(
         forward_mode=ForwardMode.DECODE,
@@ -309,7 +310,7 @@ def test_metrics_count_what_the_passes_did():
 
 def test_metric_names_never_reuse_sglangs_namespace():
     names = [v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)]
-    assert len(names) == 13 and all(name.startswith("sglang_evict:") for name in names)
+    assert len(names) == 14 and all(name.startswith("sglang_evict:") for name in names)
 
 
 def test_decode_hook_replaces_batch_lengths_keeping_their_dtypes():

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$compactor_service/v1/compactor.proto\x12\x19sglang_evict.compactor.v1\"t\n\rCudaIpcBuffer\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x1c\n\x14storage_offset_bytes\x18\x02 \x01(\x04\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x15\n\rtensor_offset\x18\x04 \x01(\x04\"~\n\x0c\x42ufferHandle\x12\x10\n\x08shm_path\x18\x01 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\x12\x36\n\x04\x63uda\x18\x04 \x01(\x0b\x32(.sglang_evict.compactor.v1.CudaIpcBufferJ\x04\x08\x03\x10\x04R\x08\x63uda_ipc\"\xbe\x02\n\nPoolLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tnum_slots\x18\x02 \x01(\x04\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x31\n\x06\x64\x65vice\x18\x07 \x01(\x0e\x32!.sglang_evict.compactor.v1.Device\x12\x14\n\x0c\x64\x65vice_index\x18\x08 \x01(\x05\x12:\n\tk_buffers\x18\t \x03(\x0b\x32\'.sglang_evict.compactor.v1.BufferHandle\x12:\n\tv_buffers\x18\n \x03(\x0b\x32\'.sglang_evict.compactor.v1.BufferHandle\"_\n\x13RegisterPoolRequest\x12\x35\n\x06layout\x18\x01 \x01(\x0b\x32%.sglang_evict.compactor.v1.PoolLayout\x12\x11\n\tclient_id\x18\x02 \x01(\t\"q\n\nPoolLimits\x12\x1a\n\x12max_plans_per_call\x18\x01 \x01(\r\x12\x1a\n\x12max_moves_per_call\x18\x02 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\x12\x10\n\x08lease_ms\x18\x04 \x01(\x04\"m\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x35\n\x06limits\x18\x03 \x01(\x0b\x32%.sglang_evict.compactor.v1.PoolLimits\"2\n\x10HeartbeatRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"%\n\x11HeartbeatResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\x04\"7\n\x15UnregisterPoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x18\n\x16UnregisterPoolResponse\"\xbe\x01\n\x04Plan\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x14\n\x0cnew_row_le64\x18\x03 \x01(\x0c\x12\x1a\n\x12new_positions_le64\x18\x04 \x01(\x0c\x12\x16\n\x0esrc_slots_le64\x18\x05 \x01(\x0c\x12\x16\n\x0e\x64st_slots_le64\x18\x06 \x01(\x0c\x12\x18\n\x10\x66reed_pages_le64\x18\x07 \x01(\x0c\x12\x1a\n\x12\x63laimed_pages_le64\x18\x08 \x01(\x0c\"E\n\nLeaseClaim\x12\x10\n\x08resource\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\x0e\n\x06holder\x18\x03 \x01(\t\"\x96\x01\n\x0e\x43ompactRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x34\n\x05\x63laim\x18\x03 \x01(\x0b\x32%.sglang_evict.compactor.v1.LeaseClaim\x12.\n\x05plans\x18\x04 \x03(\x0b\x32\x1f.sglang_evict.compactor.v1.Plan\"n\n\x0f\x43ompactResponse\x12\x13\n\x0bslots_moved\x18\x01 \x01(\x04\x12\x13\n\x0b\x62ytes_moved\x18\x02 \x01(\x04\x12\x12\n\nduration_s\x18\x03 \x01(\x01\x12\x0e\n\x06kernel\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xb4\x01\n\rStatsResponse\x12\r\n\x05pools\x18\x01 \x01(\r\x12\x0e\n\x06passes\x18\x02 \x01(\x04\x12\x17\n\x0fpasses_rejected\x18\x03 \x01(\x04\x12\x13\n\x0bslots_moved\x18\x04 \x01(\x04\x12\x13\n\x0b\x62ytes_moved\x18\x05 \x01(\x04\x12\x16\n\x0ekernel_seconds\x18\x06 \x01(\x01\x12\x12\n\nepoch_base\x18\x07 \x01(\x04\x12\x15\n\rpools_expired\x18\x08 \x01(\x04*A\n\x06\x44\x65vice\x12\x16\n\x12\x44\x45VICE_UNSPECIFIED\x10\x00\x12\x0e\n\nDEVICE_CPU\x10\x01\x12\x0f\n\x0b\x44\x45VICE_CUDA\x10\x02\x32\x99\x04\n\tCompactor\x12o\n\x0cRegisterPool\x12..sglang_evict.compactor.v1.RegisterPoolRequest\x1a/.sglang_evict.compactor.v1.RegisterPoolResponse\x12u\n\x0eUnregisterPool\x12\x30.sglang_evict.compactor.v1.UnregisterPoolRequest\x1a\x31.sglang_evict.compactor.v1.UnregisterPoolResponse\x12\x66\n\tHeartbeat\x12+.sglang_evict.compactor.v1.HeartbeatRequest\x1a,.sglang_evict.compactor.v1.HeartbeatResponse\x12`\n\x07\x43ompact\x12).sglang_evict.compactor.v1.CompactRequest\x1a*.sglang_evict.compactor.v1.CompactResponse\x12Z\n\x05Stats\x12\'.sglang_evict.compactor.v1.StatsRequest\x1a(.sglang_evict.compactor.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$compactor_service/v1/compactor.proto\x12\x19sglang_evict.compactor.v1\"t\n\rCudaIpcBuffer\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x1c\n\x14storage_offset_bytes\x18\x02 \x01(\x04\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x15\n\rtensor_offset\x18\x04 \x01(\x04\"~\n\x0c\x42ufferHandle\x12\x10\n\x08shm_path\x18\x01 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\x12\x36\n\x04\x63uda\x18\x04 \x01(\x0b\x32(.sglang_evict.compactor.v1.CudaIpcBufferJ\x04\x08\x03\x10\x04R\x08\x63uda_ipc\"\xbe\x02\n\nPoolLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tnum_slots\x18\x02 \x01(\x04\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x31\n\x06\x64\x65vice\x18\x07 \x01(\x0e\x32!.sglang_evict.compactor.v1.Device\x12\x14\n\x0c\x64\x65vice_index\x18\x08 \x01(\x05\x12:\n\tk_buffers\x18\t \x03(\x0b\x32\'.sglang_evict.compactor.v1.BufferHandle\x12:\n\tv_buffers\x18\n \x03(\x0b\x32\'.sglang_evict.compactor.v1.BufferHandle\"s\n\x13RegisterPoolRequest\x12\x35\n\x06layout\x18\x01 \x01(\x0b\x32%.sglang_evict.compactor.v1.PoolLayout\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x12\n\nfence_file\x18\x03 \x01(\t\"q\n\nPoolLimits\x12\x1a\n\x12max_plans_per_call\x18\x01 \x01(\r\x12\x1a\n\x12max_moves_per_call\x18\x02 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\x12\x10\n\x08lease_ms\x18\x04 \x01(\x04\"m\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x35\n\x06limits\x18\x03 \x01(\x0b\x32%.sglang_evict.compactor.v1.PoolLimits\"2\n\x10HeartbeatRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"%\n\x11HeartbeatResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\x04\"7\n\x15UnregisterPoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x18\n\x16UnregisterPoolResponse\"\xbe\x01\n\x04Plan\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x14\n\x0cnew_row_le64\x18\x03 \x01(\x0c\x12\x1a\n\x12new_positions_le64\x18\x04 \x01(\x0c\x12\x16\n\x0esrc_slots_le64\x18\x05 \x01(\x0c\x12\x16\n\x0e\x64st_slots_le64\x18\x06 \x01(\x0c\x12\x18\n\x10\x66reed_pages_le64\x18\x07 \x01(\x0c\x12\x1a\n\x12\x63laimed_pages_le64\x18\x08 \x01(\x0c\"E\n\nLeaseClaim\x12\x10\n\x08resource\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\x0e\n\x06holder\x18\x03 \x01(\t\"\xa8\x01\n\x0e\x43ompactRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x34\n\x05\x63laim\x18\x03 \x01(\x0b\x32%.sglang_evict.compactor.v1.LeaseClaim\x12.\n\x05plans\x18\x04 \x03(\x0b\x32\x1f.sglang_evict.compactor.v1.Plan\x12\x10\n\x08\x63\x61ll_seq\x18\x05 \x01(\x04\"n\n\x0f\x43ompactResponse\x12\x13\n\x0bslots_moved\x18\x01 \x01(\x04\x12\x13\n\x0b\x62ytes_moved\x18\x02 \x01(\x04\x12\x12\n\nduration_s\x18\x03 \x01(\x01\x12\x0e\n\x06kernel\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xb4\x01\n\rStatsResponse\x12\r\n\x05pools\x18\x01 \x01(\r\x12\x0e\n\x06passes\x18\x02 \x01(\x04\x12\x17\n\x0fpasses_rejected\x18\x03 \x01(\x04\x12\x13\n\x0bslots_moved\x18\x04 \x01(\x04\x12\x13\n\x0b\x62ytes_moved\x18\x05 \x01(\x04\x12\x16\n\x0ekernel_seconds\x18\x06 \x01(\x01\x12\x12\n\nepoch_base\x18\x07 \x01(\x04\x12\x15\n\rpools_expired\x18\x08 \x01(\x04*A\n\x06\x44\x65vice\x12\x16\n\x12\x44\x45VICE_UNSPECIFIED\x10\x00\x12\x0e\n\nDEVICE_CPU\x10\x01\x12\x0f\n\x0b\x44\x45VICE_CUDA\x10\x02\x32\x99\x04\n\tCompactor\x12o\n\x0cRegisterPool\x12..sglang_evict.compactor.v1.RegisterPoolRequest\x1a/.sglang_evict.compactor.v1.RegisterPoolResponse\x12u\n\x0eUnregisterPool\x12\x30.sglang_evict.compactor.v1.UnregisterPoolRequest\x1a\x31.sglang_evict.compactor.v1.UnregisterPoolResponse\x12\x66\n\tHeartbeat\x12+.sglang_evict.compactor.v1.HeartbeatRequest\x1a,.sglang_evict.compactor.v1.HeartbeatResponse\x12`\n\x07\x43ompact\x12).sglang_evict.compactor.v1.CompactRequest\x1a*.sglang_evict.compactor.v1.CompactResponse\x12Z\n\x05Stats\x12\'.sglang_evict.compactor.v1.StatsRequest\x1a(.sglang_evict.compactor.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'compactor_service.v1.compactor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DEVICE']._serialized_start=1859
-  _globals['_DEVICE']._serialized_end=1924
+  _globals['_DEVICE']._serialized_start=1897
+  _globals['_DEVICE']._serialized_end=1962
   _globals['_CUDAIPCBUFFER']._serialized_start=67
   _globals['_CUDAIPCBUFFER']._serialized_end=183
   _globals['_BUFFERHANDLE']._serialized_start=185
@@ -40,31 +40,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POOLLAYOUT']._serialized_start=314
   _globals['_POOLLAYOUT']._serialized_end=632
   _globals['_REGISTERPOOLREQUEST']._serialized_start=634
-  _globals['_REGISTERPOOLREQUEST']._serialized_end=729
-  _globals['_POOLLIMITS']._serialized_start=731
-  _globals['_POOLLIMITS']._serialized_end=844
-  _globals['_REGISTERPOOLRESPONSE']._serialized_start=846
-  _globals['_REGISTERPOOLRESPONSE']._serialized_end=955
-  _globals['_HEARTBEATREQUEST']._serialized_start=957
-  _globals['_HEARTBEATREQUEST']._serialized_end=1007
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1009
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1046
-  _globals['_UNREGISTERPOOLREQUEST']._serialized_start=1048
-  _globals['_UNREGISTERPOOLREQUEST']._serialized_end=1103
-  _globals['_UNREGISTERPOOLRESPONSE']._serialized_start=1105
-  _globals['_UNREGISTERPOOLRESPONSE']._serialized_end=1129
-  _globals['_PLAN']._serialized_start=1132
-  _globals['_PLAN']._serialized_end=1322
-  _globals['_LEASECLAIM']._serialized_start=1324
-  _globals['_LEASECLAIM']._serialized_end=1393
-  _globals['_COMPACTREQUEST']._serialized_start=1396
-  _globals['_COMPACTREQUEST']._serialized_end=1546
-  _globals['_COMPACTRESPONSE']._serialized_start=1548
-  _globals['_COMPACTRESPONSE']._serialized_end=1658
-  _globals['_STATSREQUEST']._serialized_start=1660
-  _globals['_STATSREQUEST']._serialized_end=1674
-  _globals['_STATSRESPONSE']._serialized_start=1677
-  _globals['_STATSRESPONSE']._serialized_end=1857
-  _globals['_COMPACTOR']._serialized_start=1927
-  _globals['_COMPACTOR']._serialized_end=2464
+  _globals['_REGISTERPOOLREQUEST']._serialized_end=749
+  _globals['_POOLLIMITS']._serialized_start=751
+  _globals['_POOLLIMITS']._serialized_end=864
+  _globals['_REGISTERPOOLRESPONSE']._serialized_start=866
+  _globals['_REGISTERPOOLRESPONSE']._serialized_end=975
+  _globals['_HEARTBEATREQUEST']._serialized_start=977
+  _globals['_HEARTBEATREQUEST']._serialized_end=1027
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1029
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1066
+  _globals['_UNREGISTERPOOLREQUEST']._serialized_start=1068
+  _globals['_UNREGISTERPOOLREQUEST']._serialized_end=1123
+  _globals['_UNREGISTERPOOLRESPONSE']._serialized_start=1125
+  _globals['_UNREGISTERPOOLRESPONSE']._serialized_end=1149
+  _globals['_PLAN']._serialized_start=1152
+  _globals['_PLAN']._serialized_end=1342
+  _globals['_LEASECLAIM']._serialized_start=1344
+  _globals['_LEASECLAIM']._serialized_end=1413
+  _globals['_COMPACTREQUEST']._serialized_start=1416
+  _globals['_COMPACTREQUEST']._serialized_end=1584
+  _globals['_COMPACTRESPONSE']._serialized_start=1586
+  _globals['_COMPACTRESPONSE']._serialized_end=1696
+  _globals['_STATSREQUEST']._serialized_start=1698
+  _globals['_STATSREQUEST']._serialized_end=1712
+  _globals['_STATSRESPONSE']._serialized_start=1715
+  _globals['_STATSRESPONSE']._serialized_end=1895
+  _globals['_COMPACTOR']._serialized_start=1965
+  _globals['_COMPACTOR']._serialized_end=2502
 # @@protoc_insertion_point(module_scope)

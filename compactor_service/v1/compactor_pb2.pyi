@@ -63,12 +63,14 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., device: _Optional[_Union[Device, str]] = ..., device_index: _Optional[int] = ..., k_buffers: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., v_buffers: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("layout", "client_id")
+    __slots__ = ("layout", "client_id", "fence_file")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FILE_FIELD_NUMBER: _ClassVar[int]
     layout: PoolLayout
     client_id: str
-    def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., client_id: _Optional[str] = ...) -> None: ...
+    fence_file: str
+    def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., client_id: _Optional[str] = ..., fence_file: _Optional[str] = ...) -> None: ...
 
 class PoolLimits(_message.Message):
     __slots__ = ("max_plans_per_call", "max_moves_per_call", "max_message_bytes", "lease_ms")
@@ -149,16 +151,18 @@ class LeaseClaim(_message.Message):
     def __init__(self, resource: _Optional[str] = ..., fencing_token: _Optional[int] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class CompactRequest(_message.Message):
-    __slots__ = ("pool_id", "epoch", "claim", "plans")
+    __slots__ = ("pool_id", "epoch", "claim", "plans", "call_seq")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     PLANS_FIELD_NUMBER: _ClassVar[int]
+    CALL_SEQ_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     claim: LeaseClaim
     plans: _containers.RepeatedCompositeFieldContainer[Plan]
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., claim: _Optional[_Union[LeaseClaim, _Mapping]] = ..., plans: _Optional[_Iterable[_Union[Plan, _Mapping]]] = ...) -> None: ...
+    call_seq: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., claim: _Optional[_Union[LeaseClaim, _Mapping]] = ..., plans: _Optional[_Iterable[_Union[Plan, _Mapping]]] = ..., call_seq: _Optional[int] = ...) -> None: ...
 
 class CompactResponse(_message.Message):
     __slots__ = ("slots_moved", "bytes_moved", "duration_s", "kernel", "epoch")

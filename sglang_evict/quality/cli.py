@@ -15,8 +15,9 @@ does not (each is listed), 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
+
+from sglang_evict.triton_env import use_triton_interpreter_without_gpu
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "benches" / "quality" / "checkpoint"
 
@@ -45,8 +46,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     if args.render_only:
         return _render(Path(args.out), wall_s=None)
-    if not torch_cuda_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before SGLang is imported
+    use_triton_interpreter_without_gpu()  # before SGLang is imported
     from sglang_evict.quality import harness
 
     scorers = tuple(harness.parse_scorer_entry(s) for s in args.scorers.split(",") if s.strip())
@@ -129,12 +129,6 @@ def _render(out: Path, wall_s: float | None) -> int:
     return 0
 
 
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _run_kvpress(args, settings, out: Path, results: dict) -> dict:
     from sglang_evict.quality import kvpress_bridge
     from sglang_evict.quality.kvpress_peer import MODES, PRESSES
@@ -164,6 +158,118 @@ def _run_kvpress(args, settings, out: Path, results: dict) -> dict:
     return {"status": "ok", "venv": str(venv), "versions": peer["versions"] | versions}
 
 
+def _fractions(text: str, flag: str = "--budgets") -> tuple[float, ...]:
+    """``1/8,1/4`` or ``0.125,25%``."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if "/" in part:
+            numerator, _, denominator = part.partition("/")
+            try:
+                values.append(float(numerator) / float(denominator))
+            except (ValueError, ZeroDivisionError):
+                raise ValueError(f"{flag}: {part!r} is not a fraction like 1/4") from None
+        elif part:
+            values.append(_parse_budget(part))
+    return tuple(values)
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+
+
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a comma-separated list of numbers") from None
+
+
+def _eval_real(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
+
+    from sglang_evict.quality import real_eval, real_report
+
+    out = Path(args.out)
+    if args.render_only:
+        table_path, png, table = real_report.render(out)
+        print(table)
+        print(f"redrew {table_path} and {png} from {out / 'results.json'}")
+        return 0
+    use_triton_interpreter_without_gpu()  # page size 16 on CPU, before SGLang
+    base = dict(real_eval.QUICK) if args.quick else {}
+    fields = dict(
+        scorers=tuple(s.strip() for s in args.scorers.split(",") if s.strip()),
+        tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
+        kvpress=args.kvpress,
+    )
+    for name, value in (
+        ("fractions", args.budgets and _fractions(args.budgets)),
+        (
+            "kvpress_fractions",
+            args.kvpress_budgets and _fractions(args.kvpress_budgets, "--kvpress-budgets"),
+        ),
+        ("contexts", args.contexts and _ints(args.contexts, "--contexts")),
+        ("depths", args.depths and _floats(args.depths, "--depths")),
+        ("per_depth", args.per_depth),
+        ("ppl_budgets", args.ppl_budgets and _ints(args.ppl_budgets, "--ppl-budgets")),
+        ("ppl_length", args.ppl_length),
+        ("ppl_sequences", args.ppl_sequences),
+    ):
+        if value:
+            base[name] = value
+    settings = dataclasses.replace(real_eval.RealEvalSettings(), **base, **fields)
+    model, text, stats = _real_inputs(args, settings)
+    print(
+        f"eval-real: {model} ({real_eval.WEIGHTS_NOTE}); tasks {list(settings.tasks)}; "
+        f"scorers {list(settings.scorers)}; needle budgets {list(settings.fractions)} of "
+        f"haystacks {list(settings.contexts)}; perplexity budgets {list(settings.ppl_budgets)} "
+        f"of {settings.ppl_sequences} x {settings.ppl_length} tokens; kvpress "
+        f"{f'at {list(settings.kvpress_fractions)}' if settings.kvpress else 'off'}; "
+        f"results in {out} (resumed when present)"
+    )
+    start = time.perf_counter()
+    real_eval.run(
+        model,
+        text,
+        out,
+        settings,
+        stats=stats,
+        progress=not args.no_progress,
+        kvpress_venv=Path(args.kvpress_venv) if args.kvpress_venv else None,
+    )
+    table_path, png, table = real_report.render(out)
+    print(table)
+    print(
+        f"wrote {out / 'results.json'}, {table_path}, {png} ({time.perf_counter() - start:.0f} s)"
+    )
+    return 0
+
+
+def _real_inputs(args, settings):
+    """The model folder, the text file and triattention's statistics, checked."""
+    from sglang_evict.quality import real_eval
+    from sglang_evict.real_model import ensure_real_model, ensure_real_text
+
+    model = Path(args.model) if args.model else ensure_real_model()
+    real_eval.check_model(model)
+    text = Path(args.text) if args.text else ensure_real_text()
+    if not text.is_file():
+        raise ValueError(f"--text {text}: no such file")
+    stats = args.triattention_stats
+    if stats is None and "triattention" in settings.scorers:
+        default = real_eval.DEFAULT_STATS
+        if args.model is None and default.is_file():
+            stats = str(default)
+    if stats is not None and not Path(stats).is_file():
+        raise ValueError(f"--triattention-stats {stats}: no such file")
+    return model, text, stats
+
+
 def _eval_gate(args: argparse.Namespace) -> int:
     from sglang_evict.quality import report
 
@@ -190,7 +296,8 @@ def _eval_gate(args: argparse.Namespace) -> int:
 
 
 def add_quality_commands(commands) -> None:
-    """Register ``eval`` and ``eval-gate`` on ``commands`` (argparse subparsers)."""
+    """Register ``eval``, ``eval-real`` and ``eval-gate`` on ``commands`` (argparse
+    subparsers)."""
     from sglang_evict.quality.harness import DEFAULT_BUDGETS, DEFAULT_PAGE_SIZES, DEFAULT_SCORERS
     from sglang_evict.quality.task import VARIANTS
 
@@ -245,6 +352,43 @@ def add_quality_commands(commands) -> None:
         help="run nothing: redraw results.png and results.md from --out/results.json",
     )
     ev.set_defaults(handler=_eval)
+
+    from sglang_evict.quality.real_eval import SERVER_SCORERS
+
+    real = commands.add_parser(
+        "eval-real",
+        help="needle and perplexity on the real model: every scorer x budget vs the full cache",
+        description="SmolLM2-135M-Instruct (sglang-evict real-model; 4-bit weights "
+        "dequantised) on the Paul Graham essays (sglang-evict real-text): the needle task "
+        "in SGLang's real engine with --kv-evict-prompt, and decode-time perplexity through "
+        "the real decode path, for every server scorer and budget against the full cache "
+        "on the same inputs; --kvpress adds kvpress 0.5.5's presses. Resumable; writes "
+        "results.json, results.md and results.png to --out.",
+    )
+    real.add_argument("--out", default="real-model-quality", help="output folder")
+    real.add_argument("--model", default=None, help="model folder (default: real-model)")
+    real.add_argument("--text", default=None, help="haystack text (default: real-text)")
+    real.add_argument("--quick", action="store_true", help="the whole matrix, small")
+    real.add_argument("--tasks", default="needle,perplexity")
+    real.add_argument("--scorers", default=",".join(SERVER_SCORERS))
+    real.add_argument("--budgets", default=None, help="needle: fractions, default 1/8,1/4,1/2")
+    real.add_argument("--contexts", default=None, help="needle haystacks (tokens): 1000,2000")
+    real.add_argument("--depths", default=None, help="needle depths: 0.1,0.3,0.5,0.7,0.9")
+    real.add_argument("--per-depth", type=int, default=None, help="needles per depth (2)")
+    real.add_argument("--ppl-budgets", default=None, help="perplexity: 256,512,1024 tokens")
+    real.add_argument("--ppl-length", type=int, default=None, help="tokens a sequence (2048)")
+    real.add_argument("--ppl-sequences", type=int, default=None, help="sequences (1)")
+    real.add_argument("--triattention-stats", default=None, help="the model's statistics")
+    real.add_argument("--kvpress", action="store_true", help="also run kvpress 0.5.5")
+    real.add_argument("--kvpress-venv", default=None, help="kvpress environment folder")
+    real.add_argument(
+        "--kvpress-budgets", default=None, help="kvpress's needle fractions, default 1/4,1/2"
+    )
+    real.add_argument("--no-progress", action="store_true")
+    real.add_argument(
+        "--render-only", action="store_true", help="redraw results.md/png from results.json"
+    )
+    real.set_defaults(handler=_eval_real)
 
     gate = commands.add_parser(
         "eval-gate",

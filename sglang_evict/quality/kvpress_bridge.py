@@ -140,8 +140,15 @@ def write_job(
     return path
 
 
-def run_peer(venv: Path, job_path: Path, out_path: Path, *, progress: bool = True) -> dict:
-    """Run the peer on a job; its stderr (the progress bar) passes through."""
+def run_peer(
+    venv: Path,
+    job_path: Path,
+    out_path: Path,
+    *,
+    progress: bool = True,
+    module: str = "sglang_evict.quality.kvpress_peer",
+) -> dict:
+    """Run the peer ``module`` on a job; its stderr (the progress bar) passes through."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p
@@ -149,7 +156,7 @@ def run_peer(venv: Path, job_path: Path, out_path: Path, *, progress: bool = Tru
     command = [
         str(venv_python(venv)),
         "-m",
-        "sglang_evict.quality.kvpress_peer",
+        module,
         "--job",
         str(job_path),
         "--out",

@@ -113,7 +113,8 @@ _OPTIONAL_ENTRY_FIELDS = {
 def best_scorer(results: dict, scorers) -> str:
     """Of ``scorers``, the one with the highest step accuracy at the largest evicting
     budget the results hold (plugin engine, mean over page sizes); ties go to the name
-    first in order. This is the rule that chose ``config.DEFAULT_SCORER``.
+    first in order. It chose ``config.DEFAULT_SCORER`` on the reference model's results
+    until the real model's took over (``real_report.best_scorer``).
 
     Why that budget: it is where the scorers that need no calibration are usable at all
     in the committed results (at 25 % none of them answers more than 16 % of the steps,

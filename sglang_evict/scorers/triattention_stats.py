@@ -157,7 +157,7 @@ def how_to_calibrate(model_path: str | None = None) -> str:
     model = model_path or "DIR"
     return (
         f"`sglang-evict calibrate --model-path {model} --text FILE --out stats.safetensors` "
-        f"(see README, Recommended configuration)"
+        f"(see docs/serving.md, Recommended configuration)"
     )
 
 

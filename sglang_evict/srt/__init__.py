@@ -27,6 +27,9 @@ what differs between the two is in ``versioned``, nowhere else. Everything else 
     frontend        per-gen policy in frontend programs       sglang.lang (RuntimeEndpoint,
                                                               SglGen)
     tp              score reduction across TP ranks           the CPU cache group
+    active          what the surfaces share in a scheduler    -
+                    process (manager, metrics, totals), the
+                    evicting cache's marker class
     cpu_driver      memory classes driven on CPU (tests,      Req, ScheduleBatch,
                     demo, quality harness)                    alloc_for_decode, release
 

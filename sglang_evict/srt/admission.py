@@ -51,7 +51,8 @@ from sglang_evict.admission import (
     growth_tokens,
     survivors_cap,
 )
-from sglang_evict.srt.backend import EvictingRadixCache, _Active
+from sglang_evict.srt.active import Active
+from sglang_evict.srt.backend import EvictingRadixCache
 from sglang_evict.srt.hooks import due_request, passable, run_passes, supported_allocation
 from sglang_evict.srt.request_policy import policy_of
 from sglang_evict.srt.versioned import add_to_admission_offset, matched_prefix_len, req_kv
@@ -178,9 +179,9 @@ def _after_check_decode_mem(fits, batch, *args, **kwargs):
     manager = cache.evictor
     if not relieve_pressure(manager, batch, selected):
         return fits
-    _Active.totals.pressure_steps += 1
+    Active.totals.pressure_steps += 1
     fits = manager.pool.allocator.available_size() >= batch.new_tokens_required_next_decode(
         selected
     )
-    _Active.totals.pressure_steps_relieved += int(fits)
+    Active.totals.pressure_steps_relieved += int(fits)
     return fits

@@ -12,10 +12,11 @@ from torch import Tensor
 
 from sglang_evict.config import EvictionConfig
 from sglang_evict.srt import capture
-from sglang_evict.srt.introspection import PassTotals
+from sglang_evict.srt.active import Active, EvictingCache
+from sglang_evict.srt.introspection import log_passes_enabled, log_request
 from sglang_evict.srt.manager import forward_stream_of, make_manager
 from sglang_evict.srt.pools import free_slots
-from sglang_evict.srt.request_policy import request_limits
+from sglang_evict.srt.request_policy import request_limits, settle_report
 from sglang_evict.srt.server_args import check_startup, config_from_env, model_facts_of_context
 from sglang_evict.srt.tp import TP_REDUCED_SCORERS, tp_score_reducer
 from sglang_evict.srt.versioned import RequestLifecycle
@@ -23,15 +24,7 @@ from sglang_evict.srt.versioned import RequestLifecycle
 logger = logging.getLogger(__name__)
 
 
-class _Active:
-    """The manager of this process's evicting cache (one scheduler per process)."""
-
-    manager = None
-    metrics = None
-    totals = PassTotals()
-
-
-class EvictingRadixCache(RequestLifecycle, RadixCache):
+class EvictingRadixCache(EvictingCache, RequestLifecycle, RadixCache):
     """SGLang's radix cache, aware of requests whose KV was evicted and compacted (the
     request lifecycle of the installed release: ``versioned.RequestLifecycle``).
 
@@ -44,6 +37,13 @@ class EvictingRadixCache(RequestLifecycle, RadixCache):
         * no request with evicted tokens inserts KV past its intact prefix: the
           tree maps token prefixes only to KV computed for exactly those tokens.
     """
+
+    def settle_request(self, req) -> None:
+        """The request's eviction report, before its state goes (SGLang streams the last
+        output after the release); the release-specific lifecycle calls it."""
+        report = settle_report(req, self.evictor)
+        if report is not None and log_passes_enabled():
+            log_request(req.rid, report)
 
     def __init__(self, params: CacheInitParams, config: EvictionConfig) -> None:
         super().__init__(params)
@@ -126,11 +126,11 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
         cache.evictor.score_reducer = tp_score_reducer(
             ctx.params.tp_cache_group, cache.evictor.scorer.head_reduction
         )
-    _Active.manager = cache.evictor
+    Active.manager = cache.evictor
     if getattr(ctx.server_args, "enable_metrics", False):
         from sglang_evict.metrics import EvictionMetrics
 
-        _Active.metrics = EvictionMetrics.create(config.scorer)
+        Active.metrics = EvictionMetrics.create(config.scorer)
     plan = capture.STATE.plan if cache.evictor.query_ring is not None else None
     logger.info(
         "sglang-evict active: budget=%d cadence=%d sinks=%d protected=%d window=%d scorer=%s "

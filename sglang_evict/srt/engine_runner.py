@@ -14,7 +14,8 @@ set to 1 here, so the KV it holds is read off SGLang's own accounting at every s
         for step in engine.decode_steps():
             ...  # DecodeStep(running_requests, tokens_held)
 
-On a machine without a GPU use ``cpu_engine_kwargs`` (the README's "SGLang's real engine on CPU").
+On a machine without a GPU use ``cpu_engine_kwargs`` (docs/development.md, "SGLang's
+real engine on CPU").
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ START_TIMEOUT_S = 600.0
 
 def cpu_engine_kwargs(model_path: str | os.PathLike, **overrides) -> dict:
     """``sglang.Engine`` arguments that start SGLang 0.5.17's engine on a CPU-only
-    machine (why each is needed: the README's "SGLang's real engine on CPU"; CUDA graphs
+    machine (why each is needed: docs/development.md, "SGLang's real engine on CPU"; CUDA graphs
     are off because SGLang turns them off for ``torch_native``)."""
     kwargs = dict(
         model_path=str(model_path),
@@ -206,6 +207,20 @@ class EngineProcess:
         if getattr(self, "_log_file", None) is not None:
             self._log_file.close()
             self._log_file = None
+
+    def kill(self) -> None:
+        """Stop the engine at once (its whole process group), without its shutdown: for
+        an interrupted caller whose requests may still be running on it."""
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, 9)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=30)
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None
+        self.close()
 
     def __enter__(self) -> EngineProcess:
         return self.start()

@@ -43,7 +43,9 @@ import logging
 import torch
 
 from sglang_evict.evictor import DueRequest, EvictionManager, PassResult
-from sglang_evict.srt.backend import EvictingRadixCache, _Active
+from sglang_evict.pass_failures import classify
+from sglang_evict.srt.active import Active
+from sglang_evict.srt.backend import EvictingRadixCache
 from sglang_evict.srt.capture import on_forward_batch
 from sglang_evict.srt.introspection import log_pass, log_passes_enabled
 from sglang_evict.srt.request_policy import policy_of
@@ -136,11 +138,16 @@ def run_passes(
     try:
         results = manager.run_batch_pass([d for _, d in due])
     except (ValueError, RuntimeError) as error:
-        logger.error("sglang-evict: pass for %d request(s) skipped: %s", len(due), error)
-        _Active.totals.pass_failures += len(due)
-        if _Active.metrics is not None:
-            _Active.metrics.record_failure(manager.config.compaction)
-            _Active.metrics.record_manager(manager)
+        # The manager logged the cause once (with its fix) and backed the requests off.
+        logger.debug("sglang-evict: pass for %d request(s) skipped: %s", len(due), error)
+        cause, _ = classify(error)
+        Active.totals.pass_failures += len(due)
+        Active.totals.pass_failure_causes[cause] = (
+            Active.totals.pass_failure_causes.get(cause, 0) + 1
+        )
+        if Active.metrics is not None:
+            Active.metrics.record_failure(manager.config.compaction, cause)
+            Active.metrics.record_manager(manager)
         return []
     by_rid = {r.rid: r for r in results}
     shrink = [0] * len(reqs)
@@ -157,7 +164,7 @@ def run_passes(
         if lengths is not None:  # a new tensor of the same device and dtype
             setattr(batch, name, lengths - _on(shrink, lengths))
     batch.seq_lens_sum = None
-    _Active.totals.add(results, pressure=pressure)
+    Active.totals.add(results, pressure=pressure)
     if log_lines and results:  # allocator counts are host lengths: no device read
         logged = [
             {
@@ -177,10 +184,10 @@ def run_passes(
             decode_step=manager.decode_steps,
             pressure=pressure,
         )
-    if _Active.metrics is not None:
+    if Active.metrics is not None:
         duration_s = results[0].duration_s if results else 0.0
-        _Active.metrics.record_batch(results, duration_s, pressure=pressure)
-        _Active.metrics.record_manager(manager)
+        Active.metrics.record_batch(results, duration_s, pressure=pressure)
+        Active.metrics.record_manager(manager)
     return results
 
 
@@ -197,7 +204,7 @@ def _before_prepare_for_decode(batch, *args, **kwargs):
 
 
 def _after_forward_batch_init_new(forward_batch, *args, **kwargs):
-    manager = _Active.manager
+    manager = Active.manager
     if manager is not None and forward_batch.forward_mode.is_decode():
         forward_batch.positions = manager.decode_positions(
             forward_batch.req_pool_indices, forward_batch.seq_lens

@@ -29,7 +29,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+
+from sglang_evict.srt.active import Active, PassTotals
 
 logger = logging.getLogger(__name__)
 
@@ -39,27 +41,6 @@ LOG_PASSES_ENV = "SGLANG_EVICT_LOG_PASSES"
 PASS_LINE_PREFIX = "sglang-evict pass "  # engine_runner.parse_pass_lines reads it
 REQUEST_LINE_PREFIX = "sglang-evict request "
 DEBUG_TREE_ENV = "SGLANG_EVICT_DEBUG_TREE"
-
-
-@dataclass
-class PassTotals:
-    """Running totals of this scheduler's passes."""
-
-    passes: int = 0
-    tokens_evicted: int = 0
-    pages_freed: int = 0
-    pass_failures: int = 0
-    idle_checks: int = 0  # idle-time checks passed (SGLang's own check runs just before)
-    pressure_passes: int = 0  # of ``passes``: run early, for a step that could not allocate
-    pressure_steps: int = 0  # decode steps that could not allocate with passes to run
-    pressure_steps_relieved: int = 0  # of those: the step fitted after them, no retraction
-
-    def add(self, results, *, pressure: bool = False) -> None:
-        for result in results:
-            self.passes += 1
-            self.pressure_passes += int(pressure)
-            self.tokens_evicted += result.tokens_evicted
-            self.pages_freed += result.pages_freed
 
 
 def log_passes_enabled() -> bool:
@@ -100,6 +81,8 @@ def plugin_report(manager, totals: PassTotals) -> dict:
     from sglang_evict.srt import capture
 
     report = {"tracked_requests": manager.num_tracked_requests(), **asdict(totals)}
+    report["pass_failure_streak"] = manager.failures.streak
+    report["forced_completions"] = manager.forced_completions
     report["query_capture"] = capture.report()
     compactor = manager.compactor
     if hasattr(compactor, "sidecar_passes"):  # --kv-compactor grpc (FallbackCompactor)
@@ -175,12 +158,10 @@ def prefix_entries(digest: list[dict], tokens: list[int]) -> list[tuple[int, int
 
 
 def _after_get_internal_state(result, scheduler, *args, **kwargs):
-    from sglang_evict.srt.backend import _Active
-
     state = getattr(result, "internal_state", None)  # GetInternalStateReqOutput
-    if _Active.manager is None or not isinstance(state, dict):
+    if Active.manager is None or not isinstance(state, dict):
         return result
-    report = plugin_report(_Active.manager, _Active.totals)
+    report = plugin_report(Active.manager, Active.totals)
     cache = scheduler.tree_cache
     report["pool"] = pool_report(cache)
     if os.environ.get(DEBUG_TREE_ENV, "") not in ("", "0", "false"):
@@ -190,9 +171,7 @@ def _after_get_internal_state(result, scheduler, *args, **kwargs):
 
 
 def _after_on_idle(result, scheduler, *args, **kwargs):
-    from sglang_evict.srt.backend import _Active
-
-    manager = _Active.manager
+    manager = Active.manager
     if manager is None or not scheduler.is_fully_idle():
         return result
     tracked = manager.num_tracked_requests()
@@ -207,5 +186,5 @@ def _after_on_idle(result, scheduler, *args, **kwargs):
             raise ValueError(message)
         logger.warning(message)
     else:
-        _Active.totals.idle_checks += 1
+        Active.totals.idle_checks += 1
     return result

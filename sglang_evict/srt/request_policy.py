@@ -42,6 +42,7 @@ from sglang_evict.request_policy import (
     resolve_request_policy,
 )
 from sglang_evict.scorers import SCORERS, needs_calibration
+from sglang_evict.srt.active import EvictingCache
 from sglang_evict.srt.server_args import BACKEND_NAME, config_from_env, server_scorers
 from sglang_evict.srt.tp import RANK_INDEPENDENT_SCORERS
 from sglang_evict.srt.versioned import req_kv
@@ -145,11 +146,9 @@ def _after_validate_one_request(result, tokenizer_manager, obj, *args, **kwargs)
 
 
 def _before_add_request_to_queue(scheduler, req, *args, **kwargs):
-    from sglang_evict.srt.backend import EvictingRadixCache
-
     cache = getattr(scheduler, "tree_cache", None)
     retracted = kwargs.get("is_retracted", args[0] if args else False)
-    if not isinstance(cache, EvictingRadixCache) or retracted:
+    if not isinstance(cache, EvictingCache) or retracted:
         return None
     if req.finished() or req.to_finish is not None:  # already refused by SGLang itself
         return None

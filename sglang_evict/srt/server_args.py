@@ -302,7 +302,8 @@ def _model_problems(config: EvictionConfig, model: ModelFacts) -> list[str]:
         names = ", ".join(model.architectures) or model.path
         return [
             f"sglang-evict does not support {' or '.join(refused)} yet ({names}): it needs an "
-            f"MHA/GQA model whose KV lives in MHATokenToKVPool (see README, Supported models)"
+            f"MHA/GQA model whose KV lives in MHATokenToKVPool "
+            f"(see docs/serving.md, Supported models)"
         ]
     stats = getattr(config.make_scorer(), "stats", None)
     if stats is None or model.hf_text_config is None:

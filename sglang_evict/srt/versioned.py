@@ -135,17 +135,6 @@ def attention_tp_size(configurator) -> int:
 # --- the radix cache's request lifecycle -------------------------------------------------
 
 
-def _settle(cache, req) -> None:
-    """The request's eviction report, before its state goes (SGLang streams the last
-    output after the release)."""
-    from sglang_evict.srt.introspection import log_passes_enabled, log_request
-    from sglang_evict.srt.request_policy import settle_report
-
-    report = settle_report(req, cache.evictor)
-    if report is not None and log_passes_enabled():
-        log_request(req.rid, report)
-
-
 def _keeps_prompt_private(cache) -> bool:
     """``--kv-evict-prompt``: the unshared prompt stays the request's own (as SGLang
     keeps a partial page), not offered to other requests, so passes may evict it."""
@@ -157,7 +146,7 @@ class _Lifecycle0517:
     release (finish, retraction, abort)."""
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
-        _settle(self, req)
+        self.settle_request(req)  # the backend's: the request's report, before its state goes
         state = self.evictor.states.get(req.rid)
         if state is None or self.disable:
             return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
@@ -231,7 +220,7 @@ class _Lifecycle0523:
         return super().checkpoint(req, up_to=up_to, **kwargs)
 
     def on_release(self, req, *, checkpointed: bool) -> None:
-        _settle(self, req)
+        self.settle_request(req)  # the backend's: the request's report, before its state goes
         self.evictor.forget(req.rid)
         return super().on_release(req, checkpointed=checkpointed)
 

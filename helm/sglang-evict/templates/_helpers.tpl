@@ -268,15 +268,52 @@ only, not SGLang's processes (which take their tracing set-up from their own fla
 {{- end -}}
 
 {{/*
+The router's image: the chart's own image unless router.image names another (the
+project's image has sglang-router when built with the `router` extra).
+*/}}
+{{- define "sglang-evict.routerImage" -}}
+{{- $r := .Values.router.image -}}
+{{- printf "%s:%s" (default .Values.image.repository $r.repository) (default (default .Chart.AppVersion .Values.image.tag) $r.tag) -}}
+{{- end -}}
+
+{{/*
+Arguments of SGLang's router (`python3 -m sglang_router.launch_router`), as a YAML list.
+It finds the SGLang pods itself (Kubernetes service discovery: the server's selector
+labels, in the release namespace, on sglang.port), so replicas join and leave as they
+come and go; the SGLang Service plays no part.
+*/}}
+{{- define "sglang-evict.routerArgs" -}}
+- --host
+- "0.0.0.0"
+- --port
+- {{ .Values.router.port | int | quote }}
+- --policy
+- {{ .Values.router.policy | quote }}
+- --service-discovery
+- --selector
+{{- range $key, $value := include "sglang-evict.selectorLabels" (dict "ctx" . "component" "server") | fromYaml }}
+- {{ printf "%s=%s" $key $value | quote }}
+{{- end }}
+- --service-discovery-port
+- {{ .Values.sglang.port | int | quote }}
+- --service-discovery-namespace
+- {{ .Release.Namespace | quote }}
+- --prometheus-host
+- "0.0.0.0"
+- --prometheus-port
+- {{ .Values.router.prometheusPort | int | quote }}
+{{- range .Values.router.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/*
 Value combinations the schema cannot express, refused with the reason and the fix.
 Mirrors what `sglang-evict serve` and EvictionConfig refuse, so a bad release fails at
 `helm install` instead of in a crash-looping pod.
 */}}
 {{- define "sglang-evict.validate" -}}
 {{- $e := .Values.eviction -}}
-{{- if has $e.kvScorer (list "window" "rkv") -}}
-{{- fail (printf "eviction.kvScorer=%s: sglang-evict serve refuses it for now (it reads queries captured inside the attention forward, which the server path does not capture yet); use knorm, streaming, triattention or random" $e.kvScorer) -}}
-{{- end -}}
 {{- if and (eq $e.kvScorer "triattention") (gt (int .Values.sglang.tpSize) 1) -}}
 {{- fail (printf "eviction.kvScorer=triattention with sglang.tpSize=%d is not supported yet (each rank holds different KV heads); use knorm, streaming or random, or sglang.tpSize=1" (int .Values.sglang.tpSize)) -}}
 {{- end -}}
@@ -301,6 +338,26 @@ Mirrors what `sglang-evict serve` and EvictionConfig refuse, so a bad release fa
 {{- $flag := first (splitList "=" .) -}}
 {{- if or (has $flag $owned) (hasPrefix "--kv-" $flag) -}}
 {{- fail (printf "sglang.extraArgs: %s is set by the chart from values (model, sglang, eviction, compactor, redis, tracing); set the value instead" $flag) -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.router.enabled -}}
+{{- /* The router flags the chart sets, each with what to do instead. */ -}}
+{{- $bind := "the chart binds 0.0.0.0 so the Service reaches the pod; remove it" -}}
+{{- $discovery := "the chart discovers this release's SGLang pods by their selector labels; remove it" -}}
+{{- $routerOwned := dict "--host" $bind "--prometheus-host" $bind "--service-discovery" $discovery "--selector" $discovery -}}
+{{- $_ := set $routerOwned "--port" "set router.port instead" -}}
+{{- $_ := set $routerOwned "--policy" "set router.policy instead" -}}
+{{- $_ := set $routerOwned "--prometheus-port" "set router.prometheusPort instead" -}}
+{{- $_ := set $routerOwned "--service-discovery-port" "set sglang.port instead" -}}
+{{- $_ := set $routerOwned "--service-discovery-namespace" "the router watches the release namespace only (its Role is namespaced); install the release there instead" -}}
+{{- range .Values.router.extraArgs -}}
+{{- $flag := first (splitList "=" .) -}}
+{{- if hasKey $routerOwned $flag -}}
+{{- fail (printf "router.extraArgs: %s is set by the chart; %s" $flag (get $routerOwned $flag)) -}}
+{{- end -}}
+{{- end -}}
+{{- if eq (int .Values.router.port) (int .Values.router.prometheusPort) -}}
+{{- fail (printf "router.port and router.prometheusPort are both %d: the API and the router's metrics need a port each" (int .Values.router.port)) -}}
 {{- end -}}
 {{- end -}}
 {{- if and .Values.redis.externalUrl .Values.redis.externalUrlSecret.name -}}
