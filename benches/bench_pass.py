@@ -20,8 +20,15 @@ number of requests. ``done ms/req`` is the batched pass until the device finishe
 ``--old-requests`` requests per point (it handles one request at a time, so its cost
 per request does not depend on how many are due).
 
+A second table compares the static-shape pass run eagerly with the same pass replayed
+(``sglang_evict.pass_graphs``: a CUDA graph per shape on a GPU; off CUDA the capture is
+emulated, so the CPU table's replay column still runs the device work on the host):
+host time per pass, and the tensor operations a replayed pass dispatches outside the
+replay (on a GPU the replay itself is one launch).
+
     python3 benches/bench_pass.py                      # CPU, one torch thread
     python3 benches/bench_pass.py --device cuda        # GPU: host time, no synchronise
+    python3 benches/bench_pass.py --device cuda --replay-only   # just the second table
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ sys.path[:0] = [
 from sglang_evict.batch_pass.counts import ceil_div  # noqa: E402
 from sglang_evict.config import EvictionConfig  # noqa: E402
 from sglang_evict.evictor import DueRequest, EvictionManager  # noqa: E402
+from sglang_evict.pass_graphs import PassGraphs  # noqa: E402
 from sglang_evict.planner import fresh_pages_needed, plan_compaction  # noqa: E402
 from sglang_evict.scorers import KVView  # noqa: E402
 from sglang_evict.selection import protected_mask, select_survivors  # noqa: E402
@@ -209,6 +217,93 @@ def time_batched(args, config, pool, kv_len, num_requests, count_ops=False):
     return elapsed, done, (counter.count if counter else None)
 
 
+class CountOutside(TorchDispatchMode):
+    """``CountOps`` outside a replayed pass's device body (``inside`` > 0: in it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.inside = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside and not func.is_view:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def replay_manager(args, config, pool, kv_len, num_requests, replayed: bool):
+    """A manager kept across passes (its graphs live as long as it does): replayed,
+    or the static-shape pass run eagerly."""
+    import dataclasses
+
+    config = dataclasses.replace(config, pass_cuda_graph=replayed and args.device == "cuda")
+    manager = EvictionManager(
+        config=config,
+        pool=pool,
+        compactor=None,
+        num_request_rows=num_requests,
+        row_capacity=kv_len,
+        device=args.device,
+    )
+    if replayed and manager.graphs is None:  # off CUDA: the emulated capture
+        manager.graphs = PassGraphs(torch.device(args.device))
+    return manager
+
+
+def time_replay_point(args, budget, num_requests, replayed: bool):
+    """Median host ms per pass (the first two passes, which capture, left out) and the
+    operations the last pass dispatched outside its device body."""
+    config, pool, kv_len = setup(args, budget, num_requests)
+    manager = replay_manager(args, config, pool, kv_len, num_requests, replayed)
+    counter = CountOutside()
+    body = manager._device_pass
+
+    def counted(*inputs):
+        counter.inside += 1
+        try:
+            return body(*inputs)
+        finally:
+            counter.inside -= 1
+
+    manager._device_pass = counted
+    due = [DueRequest(f"r{r}", r, kv_len, PROMPT_TOKENS, PROMPT_TOKENS) for r in range(num_requests)]
+    times = []
+    for repeat in range(args.repeats + 2):
+        fill_rows(pool, num_requests, kv_len, args.page_size, seed=repeat)
+        manager.states.clear()
+        manager.positions_by_row.zero_()
+        manager.offsets_by_row.zero_()
+        sync(args.device)
+        counter.count = 0
+        start = time.perf_counter()
+        with counter:
+            results = manager.run_batch_pass(due)
+        elapsed = time.perf_counter() - start
+        sync(args.device)
+        assert all(r.tokens_after == config.kv_budget_tokens for r in results)
+        if repeat >= 2:
+            times.append(elapsed)
+    if replayed:
+        assert manager.graphs.replays == args.repeats + 1, "every timed pass must be a replay"
+    return statistics.median(times) * 1e3, counter.count
+
+
+def replay_table(args) -> None:
+    print(
+        f"\nstatic-shape pass, eager vs replayed ({'CUDA graphs' if args.device == 'cuda' else 'capture emulated off CUDA'}), "
+        "host ms per pass"
+    )
+    print(f"{'budget':>7} {'due':>4} {'eager ms':>9} {'replay ms':>10} {'ratio':>7} {'ops outside':>12}")
+    for budget in args.budgets:
+        for num_requests in args.due:
+            eager_ms, _ = time_replay_point(args, budget, num_requests, replayed=False)
+            replay_ms, outside = time_replay_point(args, budget, num_requests, replayed=True)
+            print(
+                f"{budget:>7} {num_requests:>4} {eager_ms:>9.3f} {replay_ms:>10.3f} "
+                f"{eager_ms / replay_ms:>6.1f}x {outside:>12}",
+                flush=True,
+            )
+
+
 def time_previous(args, config, pool, kv_len, num_requests):
     scorer = config.make_scorer()
     sync(args.device)
@@ -241,6 +336,9 @@ def main(argv=None) -> None:
         metavar="N",
         help="after the table: cProfile of N batched passes with one due request (first budget)",
     )
+    parser.add_argument(
+        "--replay-only", action="store_true", help="only the eager vs replayed table"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.budgets, args.due, args.cadence, args.repeats = [256], [2], 32, 1
@@ -254,6 +352,9 @@ def main(argv=None) -> None:
         f"{'budget':>7} {'due':>4} {'per-request ms/req':>19} {'batched ms/req':>15} "
         f"{'ratio':>7} {'ops/pass':>9} {'done ms/req':>13}"
     )
+    if args.replay_only:
+        replay_table(args)
+        return
     print(header)
     for budget in args.budgets:
         for num_requests in args.due:
@@ -278,6 +379,7 @@ def main(argv=None) -> None:
                 f"{p_ms / b_ms:>6.1f}x {ops:>9} {d_ms:>13.3f}",
                 flush=True,
             )
+    replay_table(args)
     if args.profile:
         profile_passes(args, args.budgets[0], args.profile)
 

@@ -10,6 +10,11 @@ host process (``sglang_evict.srt.engine_runner``):
     on:N    the same with passes on every N-th decode step only (--kv-pass-group-steps
             N; plain ``on`` takes --pass-group-steps), so one run compares groupings:
             --modes off,on:1,on:8,on:32
+    on:auto the server picks the group (--kv-pass-group-steps auto)
+    +graph  suffix of an ``on`` mode: passes replayed as CUDA graphs
+            (--kv-pass-cuda-graph); without it passes run eagerly
+            (--no-kv-pass-cuda-graph), so --modes off,on:1,on:1+graph,on:auto+graph
+            compares eager, replayed and auto-grouped passes in one run
 
 Decode step time is read off SGLang's own decode log line, written after every step
 (``decode_log_interval=1``): ``gen throughput`` is the tokens generated since the last
@@ -106,26 +111,32 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def parse_modes(text: str) -> list[str]:
-    """``--modes``: comma-separated ``plain``, ``off``, ``on`` or ``on:N`` (N >= 1), each
-    at most once; raises ``ValueError`` naming the bad one."""
+    """``--modes``: comma-separated ``plain``, ``off``, ``on``, ``on:N`` (N >= 1) or
+    ``on:auto``, an ``on`` mode optionally with ``+graph``, each at most once; raises
+    ``ValueError`` naming the bad one."""
     modes = [m.strip() for m in text.split(",") if m.strip()]
     for mode in modes:
-        name, _, group = mode.partition(":")
-        if name in ("plain", "off") and not group:
+        base, _, suffix = mode.partition("+")
+        name, _, group = base.partition(":")
+        if name in ("plain", "off") and not group and not suffix:
             continue
-        if name == "on" and (not group or (group.isdigit() and int(group) >= 1)):
+        group_ok = not group or group == "auto" or (group.isdigit() and int(group) >= 1)
+        if name == "on" and group_ok and suffix in ("", "graph"):
             continue
         raise ValueError(
-            f"--modes: {mode!r} is not one of plain, off, on, on:N (N >= 1 decode steps)"
+            f"--modes: {mode!r} is not one of plain, off, on, on:N (N >= 1 decode steps), "
+            f"on:auto, each on mode optionally +graph"
         )
     if not modes or len(set(modes)) != len(modes):
         raise ValueError(f"--modes: give each mode once, at least one: {text!r}")
     return modes
 
 
-def group_steps(args: argparse.Namespace, mode: str) -> int:
-    """The pass group of ``mode``: N of ``on:N``, else --pass-group-steps."""
-    _, _, group = mode.partition(":")
+def group_steps(args: argparse.Namespace, mode: str) -> int | str:
+    """The pass group of ``mode``: N of ``on:N`` (or ``auto``), else --pass-group-steps."""
+    _, _, group = mode.partition("+")[0].partition(":")
+    if group == "auto":
+        return group
     return int(group) if group else args.pass_group_steps
 
 
@@ -140,6 +151,7 @@ def policy_for(args: argparse.Namespace, mode: str) -> dict | None:
         "compaction": args.compaction,
         "window_tokens": args.window,
         "pass_group_steps": group_steps(args, mode),
+        "pass_cuda_graph": mode.endswith("+graph"),
     }
 
 
@@ -149,7 +161,7 @@ def run_mode(args: argparse.Namespace, mode: str, log_dir: Path) -> dict:
     vocab = vocab_size(args.model)
     prompts = prompts_for(args.batch, args.in_len, vocab)
     sampling = {"max_new_tokens": args.out_len, "ignore_eos": True, "temperature": 0.0}
-    log_path = log_dir / f"engine_{mode.replace(':', '_group')}.log"
+    log_path = log_dir / f"engine_{mode.replace(':', '_group').replace('+', '_')}.log"
     log_path.unlink(missing_ok=True)
     with EngineProcess(engine_kwargs(args), policy=policy_for(args, mode), log_path=log_path) as e:
         info = e.server_info()
@@ -164,7 +176,8 @@ def run_mode(args: argparse.Namespace, mode: str, log_dir: Path) -> dict:
             wall_s = time.perf_counter() - start
             log = e.log_since(mark)
             steps = decode_step_ms(log, args.batch)
-            passes = parse_passes(log, group_steps(args, mode))
+            group = group_steps(args, mode)
+            passes = parse_passes(log, 1 if group == "auto" else group)
             repeats.append(
                 {
                     "wall_s": wall_s,
@@ -283,13 +296,13 @@ def main(argv=None) -> int:
         f"{args.cuda_graph}, {args.repeats} repeats (medians)"
     )
     print(
-        f"{'mode':<7} {'backend':>12} {'steps':>6} {'step ms':>8} {'p50':>8} {'p99':>8} "
+        f"{'mode':<14} {'backend':>12} {'steps':>6} {'step ms':>8} {'p50':>8} {'p99':>8} "
         f"{'tok/s':>8} {'peak #token':>11} {'pass steps':>10} {'due/pass':>8} {'host ms/req':>11}"
     )
     for mode, r in results.items():
         s = r["summary"]
         print(
-            f"{mode:<7} {r['attention_backend']!s:>12} {s['steps']:>6.0f} "
+            f"{mode:<14} {r['attention_backend']!s:>12} {s['steps']:>6.0f} "
             f"{s['step_ms_mean']:>8.3f} {s['step_ms_p50']:>8.3f} {s['step_ms_p99']:>8.3f} "
             f"{s['tokens_per_s']:>8.0f} {s['peak_tokens']:>11.0f} {s['pass_steps']:>10.0f} "
             f"{s['due_per_pass_mean']:>8.1f} {s['pass_host_ms_per_request']:>11.3f}"
@@ -298,6 +311,9 @@ def main(argv=None) -> int:
     for mode in (m for m in modes if m.startswith("on") and "off" in summaries):
         ratio = summaries[mode]["step_ms_mean"] / summaries["off"]["step_ms_mean"]
         group = group_steps(args, mode)
+        if group == "auto":
+            chosen = ((results[mode].get("plugin") or {}).get("pass_grouping") or {})
+            group = f"auto, chose {chosen.get('pass_group_steps')}"
         print(
             f"decode step time, eviction {mode} (group {group}) / off: {ratio:.3f} (goal <= 1.03)"
         )

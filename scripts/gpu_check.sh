@@ -38,7 +38,8 @@ tests)
   # set_sync_debug_mode("error"), the query ring in CUDA graphs, CUDA IPC to the sidecar.
   timeout "${TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadgroup -ra \
     tests/test_kernels_repack.py tests/test_kernels_scoring.py tests/test_batch_pass_hooks.py \
-    tests/test_query_capture.py tests/test_compactor_service.py 2>&1 | tee "$out/pytest_gpu.log"
+    tests/test_query_capture.py tests/test_compactor_service.py tests/test_static_shape_pass.py \
+    2>&1 | tee "$out/pytest_gpu.log"
   # SGLang's GPU attention backends with query capture inside CUDA-graph replays.
   [ "${ENGINE_TESTS_TIMEOUT_S:-300}" = 0 ] || timeout "${ENGINE_TESTS_TIMEOUT_S:-300}" python3 -m pytest -q -p no:cacheprovider -n 0 -ra \
     "tests/test_engine_capture.py::test_gpu_backend_captures_queries_inside_cuda_graph_replays" \
@@ -56,8 +57,9 @@ benches)
   ;;
 engine)
   # MODEL_ARGS: make_random_llama.py's shape flags (default: 156M); ENGINE_ARGS: the
-  # bench's (default: budget off against eviction with passes on every step and on every
-  # 32nd, one engine each, one repeat: the decode-step goal with and without grouping).
+  # bench's (default: budget off against eviction with eager passes on every step, the
+  # same passes replayed as CUDA graphs, and auto grouping with graphs, one engine each,
+  # one repeat: the decode-step goal with and without grouping).
   model=${MODEL:-/tmp/llama_rand}
   if [ ! -f "$model/config.json" ]; then
     python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-} || exit 1
@@ -65,7 +67,7 @@ engine)
   name=${NAME:-engine_eviction}
   logs=$(mktemp -d)
   timeout "${ENGINE_TIMEOUT_S:-540}" python3 benches/engine_eviction.py --model "$model" \
-    --out "$logs/$name.json" ${ENGINE_ARGS:---modes off,on:1,on:32 --repeats 1} 2>&1 | tee "$out/$name.txt"
+    --out "$logs/$name.json" ${ENGINE_ARGS:---modes off,on:1,on:1+graph,on:auto+graph --repeats 1} 2>&1 | tee "$out/$name.txt"
   cp "$logs/$name.json" "$out/" 2>/dev/null
   tar -C "$logs" -czf "$out/$name-logs.tar.gz" .
   ;;

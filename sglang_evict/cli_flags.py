@@ -20,6 +20,7 @@ from sglang_evict.config import (
     MAX_SINK_TOKENS,
     EvictionConfig,
 )
+from sglang_evict.pass_grouping import AUTO, AUTO_MAX_GROUP_STEPS
 from sglang_evict.scorers import SCORERS, needs_calibration
 
 # The largest value any integer flag takes. SGLang's token positions and request-to-token
@@ -48,6 +49,16 @@ def int_flag(low: int, high: int = MAX_INT_FLAG):
     return parse
 
 
+def group_steps_flag(text: str) -> int | str:
+    """``--kv-pass-group-steps``: ``auto`` or an integer in ``[1, MAX_PASS_GROUP_STEPS]``."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return int_flag(1, MAX_PASS_GROUP_STEPS)(text)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{error} (or auto)") from None
+
+
 def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None = None) -> None:
     """The eviction flags, named as ``sglang-evict serve`` takes them."""
     parser.add_argument(
@@ -60,11 +71,20 @@ def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None
     parser.add_argument("--kv-cadence", type=int_flag(1), default=128, help="tokens between passes")
     parser.add_argument(
         "--kv-pass-group-steps",
-        type=int_flag(1, MAX_PASS_GROUP_STEPS),
+        type=group_steps_flag,
         default=1,
-        metavar="N",
+        metavar="N|auto",
         help="run passes on every N-th decode step only, one pass for every request due "
-        "since the last (fewer, larger passes; a request may hold N-1 more tokens)",
+        "since the last (fewer, larger passes; a request may hold N-1 more tokens); auto: "
+        "the server picks N to keep passes under 1%% of decode-step time (at most "
+        f"{AUTO_MAX_GROUP_STEPS})",
+    )
+    parser.add_argument(
+        "--kv-pass-cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay passes as CUDA graphs, one per bucketed pass shape (default: on where "
+        "the KV pool is on a GPU and SGLang's CUDA graphs are on)",
     )
     parser.add_argument(
         "--kv-sink-tokens",
@@ -256,6 +276,7 @@ def config_from_args(args: argparse.Namespace) -> EvictionConfig:
         kv_budget_tokens=args.kv_budget,
         cadence_tokens=args.kv_cadence,
         pass_group_steps=args.kv_pass_group_steps,
+        pass_cuda_graph=args.kv_pass_cuda_graph,
         sink_tokens=args.kv_sink_tokens,
         protected_tokens=args.kv_protected_tokens,
         window_tokens=args.kv_window,

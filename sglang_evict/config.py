@@ -21,6 +21,7 @@ from typing import Any
 from compactor_service.runtime_dir import DEFAULT_POOL_DIR, DEFAULT_SOCKET
 from compactor_service.secrets import check_redis_url, redact_url
 from sglang_evict.admission import ADMISSIONS
+from sglang_evict.pass_grouping import AUTO, AUTO_MAX_GROUP_STEPS
 from sglang_evict.planner import STRATEGIES as COMPACTION_STRATEGIES  # one definition
 
 # Ranges a config must stay inside; errors quote them.
@@ -116,7 +117,12 @@ class EvictionConfig:
             only; a request that falls due in between waits for the next one (growing
             by up to ``pass_group_steps - 1`` more tokens, which bounded admission
             counts), so one pass serves every request due in the group. 1 (default):
-            a pass at every step with a due request (``--kv-pass-group-steps``).
+            a pass at every step with a due request (``--kv-pass-group-steps``);
+            ``"auto"``: the server chooses, up to ``pass_grouping.AUTO_MAX_GROUP_STEPS``
+            (``sglang_evict.pass_grouping``).
+        pass_cuda_graph: replay passes as CUDA graphs, one per bucketed pass shape
+            (``sglang_evict.pass_graphs``); None (default): on where the KV pool is on
+            a CUDA device, False: eager (``--kv-pass-cuda-graph`` / ``--no-...``).
 
     How per-head scores combine into one keep-set per request is a scorer parameter
     (``head_normalization``, ``head_reduction``; see ``sglang_evict.scorers.base``).
@@ -151,7 +157,8 @@ class EvictionConfig:
     request_allow_disable: bool = False
     admission: str = "bounded"
     pressure_passes: bool = True
-    pass_group_steps: int = 1
+    pass_group_steps: int | str = 1
+    pass_cuda_graph: bool | None = None
     _scorer: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -187,7 +194,13 @@ class EvictionConfig:
                 raise ValueError(f"unknown {name} {value!r}; known: {list(known)}")
         if not isinstance(self.pressure_passes, bool):
             raise ValueError(f"pressure_passes must be true or false, got {self.pressure_passes!r}")
-        _require_int("pass_group_steps", self.pass_group_steps, 1, MAX_PASS_GROUP_STEPS)
+        if self.pass_group_steps != AUTO:
+            _require_int("pass_group_steps", self.pass_group_steps, 1, MAX_PASS_GROUP_STEPS)
+        if self.pass_cuda_graph not in (None, True, False):
+            raise ValueError(
+                f"pass_cuda_graph must be true, false or unset (on for a CUDA pool), got "
+                f"{self.pass_cuda_graph!r}"
+            )
         _require_int("compactor_timeout_ms", self.compactor_timeout_ms, 1)
         self._check_compactor_transport()
         _require_int("lease_ttl_ms", self.lease_ttl_ms, 1)
@@ -293,6 +306,12 @@ class EvictionConfig:
     def trigger_tokens(self) -> int:
         """KV length at which a request's pass runs."""
         return self.kv_budget_tokens + self.cadence_tokens
+
+    @property
+    def group_steps_bound(self) -> int:
+        """The most decode steps a pass may wait (what bounded admission counts):
+        ``pass_group_steps``, or with ``auto`` the largest group it may choose."""
+        return AUTO_MAX_GROUP_STEPS if self.pass_group_steps == AUTO else self.pass_group_steps
 
     def make_scorer(self):  # -> Scorer; typed loosely to keep the import lazy
         """The configured scorer (built and validated once, at construction)."""

@@ -101,9 +101,12 @@ from sglang_evict.batch_pass import (
 )
 from sglang_evict.batch_pass.counts import PAGE_COUNTS, frozen_length, leading_end
 from sglang_evict.batch_pass.indices import arange
-from sglang_evict.batch_pass.inputs import batch_inputs
+from sglang_evict.batch_pass.inputs import gather_inputs, host_columns, unpack_columns
+from sglang_evict.batch_pass.shapes import PassShape, pass_shape
 from sglang_evict.config import EvictionConfig
 from sglang_evict.pass_failures import FailureTracker
+from sglang_evict.pass_graphs import PassGraphs, PassKey
+from sglang_evict.pass_grouping import AUTO, AUTO_MAX_GROUP_STEPS, GroupChoice
 from sglang_evict.pass_lease import PassLease
 from sglang_evict.pass_state import (
     DueRequest,
@@ -114,9 +117,33 @@ from sglang_evict.pass_state import (
 from sglang_evict.query_capture import QueryRing
 from sglang_evict.request_policy import RequestLimits, RequestPolicy, default_policy
 from sglang_evict.scorers import Scorer, build_scorer
-from sglang_evict_kernels import repack_kv_independent
+from sglang_evict_kernels import device_int64, repack_kv_independent
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What a pass's device work is specialised to (host values; ``scorers`` and the
+    host lengths are padded to ``shape.requests`` with request 0's scorer and 0)."""
+
+    shape: PassShape
+    strategy: str
+    scorers: tuple[Scorer, ...]
+    use_pool_kernels: bool
+    with_queries: bool
+    lengths: tuple[int, ...]
+    current_positions: tuple[int, ...]
+
+
+def _pad_claimed(claimed: Tensor | None, total: int, device) -> Tensor:
+    """The claimed staging pages padded to ``total`` (the shape's staging bucket)."""
+    if claimed is None:
+        return torch.zeros(total, dtype=torch.int64, device=device)
+    if claimed.numel() == total:
+        return claimed.to(torch.int64)
+    tail = torch.zeros(total - claimed.numel(), dtype=torch.int64, device=device)
+    return torch.cat([claimed.to(torch.int64), tail])
 
 __all__ = [
     "DueRequest",
@@ -164,6 +191,9 @@ class EvictionManager:
     decode_steps: int = 0  # decode steps counted by ``open_pass_step``
     # Failed passes: per-request backoff, counts by cause (``sglang_evict.pass_failures``).
     failures: FailureTracker = field(default_factory=FailureTracker)
+    # Pad passes to bucketed shapes (``batch_pass.shapes``); False: exact shapes, the
+    # reference ``tests/test_static_shape_pass.py`` holds the padded pass to.
+    static_shapes: bool = True
 
     def __post_init__(self) -> None:
         if self.config.page_size != self.pool.page_size:
@@ -195,6 +225,19 @@ class EvictionManager:
         self.bytes_per_slot = sum(
             b[0].numel() * b.element_size() for b in (*self.pool.k_buffers, *self.pool.v_buffers)
         )
+        # ``--kv-pass-group-steps auto``: the server's choice (``pass_grouping``).
+        self.group_choice = GroupChoice() if config.pass_group_steps == AUTO else None
+        self._last_step_at: float | None = None
+        self._pass_s_since_step = 0.0
+        # Passes replayed as CUDA graphs (``sglang_evict.pass_graphs``); None: eager.
+        self.graphs = None
+        if config.pass_cuda_graph and self.device.type != "cuda":
+            raise ValueError(
+                f"pass_cuda_graph needs the KV pool on a CUDA device (it is on "
+                f"{self.device.type}); leave --kv-pass-cuda-graph off"
+            )
+        if config.pass_cuda_graph is not False and self.device.type == "cuda":
+            self.graphs = PassGraphs(self.device)
         self.accumulated_by_row = None
         if self.scorer.carries_scores:
             self.accumulated_by_row = torch.zeros(
@@ -351,12 +394,37 @@ class EvictionManager:
         if self.forward_stream is not None and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).wait_stream(self.forward_stream)
 
+    @property
+    def pass_group_steps(self) -> int:
+        """Decode steps one pass serves now (``--kv-pass-group-steps``; with ``auto``
+        the server's current choice, ``sglang_evict.pass_grouping``)."""
+        if self.group_choice is not None:
+            return self.group_choice.steps
+        return self.config.pass_group_steps
+
     def open_pass_step(self) -> bool:
         """Count a decode step; whether its due requests' passes run now: on every
-        ``pass_group_steps``-th step (``EvictionConfig.pass_group_steps``), so the
-        requests that fell due since the last one share one pass."""
+        ``pass_group_steps``-th step, so the requests that fell due since the last one
+        share one pass. With ``auto`` the host time since the last step (passes left
+        out) feeds the choice."""
         self.decode_steps += 1
-        return self.decode_steps % self.config.pass_group_steps == 0
+        choice = self.group_choice
+        if choice is not None:
+            now = time.perf_counter()
+            if self._last_step_at is not None:
+                if choice.note_step(now - self._last_step_at - self._pass_s_since_step):
+                    logger.info(
+                        "sglang-evict: pass group steps (auto) now %d: passes %.3f ms, "
+                        "decode steps %.3f ms of host time on average (%s)",
+                        choice.steps,
+                        choice.pass_s * 1e3,
+                        choice.step_s * 1e3,
+                        "pass share of step time under 1 %"
+                        if choice.steps < AUTO_MAX_GROUP_STEPS
+                        else f"the largest group auto takes, {AUTO_MAX_GROUP_STEPS}",
+                    )
+            self._last_step_at, self._pass_s_since_step = now, 0.0
+        return self.decode_steps % self.pass_group_steps == 0
 
     def run_batch_pass(self, due: Sequence[DueRequest]) -> list[PassResult]:
         """Evict and compact every due request in one pass; one result per request that
@@ -401,6 +469,10 @@ class EvictionManager:
                     self._note_failure([d.rid for d, _ in work], error)
                 raise
             self.failures.succeeded(d.rid for d, _ in work)
+            if self.group_choice is not None:
+                spent = time.perf_counter() - start
+                self.group_choice.note_pass(spent)
+                self._pass_s_since_step += spent
             span.set_attribute(tracing.ATTR_OUTCOME, "committed")
             span.set_attribute(tracing.ATTR_TOKENS_AFTER, sum(r.tokens_after for r in results))
             span.set_attribute(tracing.ATTR_PAGES_FREED, sum(r.pages_freed for r in results))
@@ -436,76 +508,79 @@ class EvictionManager:
     # --- the pass --------------------------------------------------------------------
 
     def _run(self, work, start: float, span) -> list[PassResult]:
-        tracer = tracing.tracer()
         counts = [c for _, c in work]
         strategy, staging_counts = batch_strategy(
             self.config.compaction, counts, self.pool.available_pages
         )
         use = self.use_pool_kernels
         scorers = [self.scorer_for(d.policy.scorer) for d, _ in work]
-        inputs = batch_inputs(
-            pool=self.pool,
-            positions_by_row=self.positions_by_row,
+        graphable = self._graphable(scorers)
+        shape = pass_shape(
+            counts,
+            staging_counts,
+            page_size=self.config.page_size,
+            row_capacity=self.row_capacity,
+            static=self.static_shapes or graphable,
+        )
+        pad = shape.requests - len(work)
+        step = _Step(
+            shape=shape,
+            strategy=strategy,
+            scorers=tuple(scorers) + (scorers[0],) * pad,
+            use_pool_kernels=self.device.type == "cuda" if use is None else use,
+            with_queries=any(s.needs_queries for s in scorers),
+            lengths=tuple(c.kv_len for c in counts) + (0,) * pad,
+            current_positions=tuple(c.next_position for c in counts) + (0,) * pad,
+        )
+        packed = host_columns(
             row_of_request=[d.req_pool_idx for d, _ in work],
             compacted_lens=[getattr(self.states.get(d.rid), "compacted_len", 0) for d, _ in work],
             counts=counts,
             staging_counts=staging_counts,
-            use_pool_kernels=self.device.type == "cuda" if use is None else use,
-            query_ring=self.query_ring if any(s.needs_queries for s in scorers) else None,
-            accumulated_by_row=self.accumulated_by_row,
+            shape=shape,
         )
-        columns, rows_raw, view = inputs.columns, inputs.rows_raw, inputs.view
-        with tracer.start_as_current_span(tracing.SPAN_SCORE):
-            scores, fell_back = score_rows_or_fall_back(scorers, view)
-            if fell_back:  # a kernel failed on this GPU: the torch forms from now on
-                self.use_pool_kernels = False
-            if self.score_reducer is not None:
-                scores = self.score_reducer(scores)
-        protected = protected_ranges_mask(
-            view.positions, view.valid, columns["lead_end"], columns["window_start"]
-        )
-        keep, nonfinite = select_keep(
-            scores,
-            view.positions,
-            view.valid,
-            protected,
-            columns["evicted"],
-            max(c.tokens_evicted for c in counts),
-        )
-        self.nonfinite_scores_device += nonfinite.sum()
-        staging, given, claimed = self._claim_staging(columns, staging_counts)
+        num_released = sum(c.pages_freed for c in counts) + sum(staging_counts)
+        claimed = self._claim_staging(sum(staging_counts))
         try:
-            with tracer.start_as_current_span(tracing.SPAN_PLAN):
-                plan_inputs = PlanInputs(
-                    page_size=self.config.page_size,
-                    rows=view.slots,
-                    keep=keep,
-                    positions=view.positions,
-                    survivors=columns["survivors"],
-                    frozen_len=columns["frozen_len"],
-                    max_survivors=max(c.survivors for c in counts),
-                    num_released=sum(c.pages_freed for c in counts) + sum(staging_counts),
-                    **{name: columns[name] for name in PAGE_COUNTS},
+            if graphable:
+                key = PassKey(shape, scorers[0].name, strategy, step.use_pool_kernels, step.with_queries)
+                lease = self.lease.acquire()  # the replay holds the moves
+                if lease is not None:
+                    span.set_attribute(tracing.ATTR_FENCING_TOKEN, lease.token)
+                try:
+                    release, copies = self.graphs.run(
+                        key, packed, claimed, lambda p, s: self._device_pass(step, p, s)
+                    )
+                finally:
+                    self.lease.release(lease)
+                written = None
+            else:
+                if self.graphs is not None:
+                    self.graphs.miss()
+                packed_device = device_int64(packed, self.device)
+                staging_device = _pad_claimed(claimed, shape.staging_total, self.device)
+                columns, rows_raw, scores, plan = self._score_and_plan(
+                    step, packed_device, staging_device
                 )
-                plan = (
-                    plan_repack(plan_inputs, staging, given)
-                    if strategy == "repack"
-                    else plan_hole_fill(plan_inputs)
-                )
-            lease = self.lease.acquire()  # only around the moves (``pass_lease``)
-            if lease is not None:
-                span.set_attribute(tracing.ATTR_FENCING_TOKEN, lease.token)
-            try:
-                with tracer.start_as_current_span(tracing.SPAN_RPC):
-                    copies = self._move(plan, counts, self.lease.claim(lease))
-            finally:
-                self.lease.release(lease)
+                lease = self.lease.acquire()  # only around the moves (``pass_lease``)
+                if lease is not None:
+                    span.set_attribute(tracing.ATTR_FENCING_TOKEN, lease.token)
+                try:
+                    with tracing.tracer().start_as_current_span(tracing.SPAN_RPC):
+                        copies = self._move(plan, counts, self.lease.claim(lease))
+                finally:
+                    self.lease.release(lease)
+                written = (columns, rows_raw, plan, scores)
         except BaseException:
             if claimed is not None:  # nothing moved: the staging pages go back
                 self.pool.release_pages(claimed)
             raise
-        with tracer.start_as_current_span(tracing.SPAN_COMMIT):
-            self._commit(work, columns, rows_raw, plan, scores)
+        with tracing.tracer().start_as_current_span(tracing.SPAN_COMMIT):
+            if written is not None:
+                self._write(*written)
+                release = written[2].release
+            self.pool.release_pages(release[:num_released])
+            self._commit_states(work)
         duration_s = time.perf_counter() - start
         return [
             PassResult(
@@ -525,22 +600,100 @@ class EvictionManager:
             for i, ((d, c), scorer) in enumerate(zip(work, scorers, strict=True))
         ]
 
-    def _claim_staging(self, columns, staging_counts: list[int]):
-        """``(staging [R, U], given [R, U], claimed)``: the repack staging pages, laid out
-        per request, and the flat tensor the allocator handed out (None: none)."""
-        num_requests, width = len(staging_counts), max(staging_counts)
-        empty = torch.zeros(num_requests, 0, dtype=torch.int64, device=self.device)
-        total = sum(staging_counts)
+    def _graphable(self, scorers: list[Scorer]) -> bool:
+        """Whether this pass is replayed as a CUDA graph (``sglang_evict.pass_graphs``):
+        graphs on, moves in-process, one rank, and one scorer whose batched form reads
+        device data only."""
+        if self.graphs is None:
+            return False
+        return (
+            self.compactor is None
+            and self.score_reducer is None
+            and all(s is scorers[0] for s in scorers)
+            and scorers[0].graph_safe
+        )
+
+    def _device_pass(self, step: _Step, packed: Tensor, staging: Tensor) -> tuple[Tensor, Tensor]:
+        """The whole pass on the device, from the packed ints and the claimed staging
+        pages: what a graph captures. Returns ``(released pages, copies per request)``."""
+        columns, rows_raw, scores, plan = self._score_and_plan(step, packed, staging)
+        repack_kv_independent(
+            self.pool.k_buffers, self.pool.v_buffers, plan.src.reshape(-1), plan.dst.reshape(-1)
+        )
+        self._write(columns, rows_raw, plan, scores)
+        return plan.release, plan.move_counts()
+
+    def _score_and_plan(self, step: _Step, packed: Tensor, staging_flat: Tensor):
+        """``(columns, rows_raw, scores, plan)`` of a pass, on the device."""
+        tracer = tracing.tracer()
+        shape = step.shape
+        columns = unpack_columns(packed)
+        inputs = gather_inputs(
+            pool=self.pool,
+            positions_by_row=self.positions_by_row,
+            columns=columns,
+            width=shape.width,
+            lengths=step.lengths,
+            current_positions_host=step.current_positions,
+            use_pool_kernels=step.use_pool_kernels,
+            query_ring=self.query_ring if step.with_queries else None,
+            accumulated_by_row=self.accumulated_by_row,
+        )
+        view = inputs.view
+        with tracer.start_as_current_span(tracing.SPAN_SCORE):
+            scores, fell_back = score_rows_or_fall_back(step.scorers, view)
+            if fell_back:  # a kernel failed on this GPU: the torch forms from now on
+                self.use_pool_kernels = False
+            if self.score_reducer is not None:
+                scores = self.score_reducer(scores)
+        protected = protected_ranges_mask(
+            view.positions, view.valid, columns["lead_end"], columns["window_start"]
+        )
+        keep, nonfinite = select_keep(
+            scores, view.positions, view.valid, protected, columns["evicted"], shape.evicted
+        )
+        self.nonfinite_scores_device += nonfinite.sum()
+        staging, given = self._staging_layout(columns, staging_flat, shape)
+        with tracer.start_as_current_span(tracing.SPAN_PLAN):
+            plan_inputs = PlanInputs(
+                page_size=self.config.page_size,
+                rows=view.slots,
+                keep=keep,
+                positions=view.positions,
+                survivors=columns["survivors"],
+                frozen_len=columns["frozen_len"],
+                max_survivors=shape.survivors,
+                num_released=shape.released,
+                **{name: columns[name] for name in PAGE_COUNTS},
+            )
+            plan = (
+                plan_repack(plan_inputs, staging, given)
+                if step.strategy == "repack"
+                else plan_hole_fill(plan_inputs)
+            )
+        return columns, inputs.rows_raw, scores, plan
+
+    def _claim_staging(self, total: int) -> Tensor | None:
+        """The repack staging pages the allocator hands out (None: none needed)."""
         if total == 0:
-            return empty, empty.bool(), None
+            return None
         claimed = self.pool.alloc_pages(total)
-        if claimed is None:  # _strategy checked the free count; raced by nothing here
+        if claimed is None:  # batch_strategy checked the free count; raced by nothing here
             raise RuntimeError(f"the allocator could not give {total} staging pages")
-        column = torch.arange(width, device=self.device).unsqueeze(0)
+        return claimed
+
+    def _staging_layout(self, columns, staging_flat: Tensor, shape: PassShape):
+        """``(staging [R, U], given [R, U])``: the claimed staging pages laid out per
+        request (``staging_flat``: all of them, padded to ``shape.staging_total``)."""
+        R, U = shape.requests, shape.staging_width
+        if shape.staging_total == 0:
+            empty = torch.zeros(R, 0, dtype=torch.int64, device=self.device)
+            return empty, empty.bool()
+        column = arange(U, self.device).unsqueeze(0)
         given = column < columns["staging"].unsqueeze(1)
-        index = torch.where(given, columns["staging_base"].unsqueeze(1) + column, total)
-        padded = torch.cat([claimed.to(torch.int64), claimed.new_zeros(1).to(torch.int64)])
-        return padded[index], given, claimed
+        index = torch.where(given, columns["staging_base"].unsqueeze(1) + column, shape.staging_total)
+        padded = torch.cat([staging_flat.to(torch.int64), staging_flat.new_zeros(1)])
+        return padded[index], given
 
     def _move(self, plan: BatchPlan, counts: list[PassCounts], claim: LeaseClaim | None) -> Tensor:
         """Move the slots; returns the copies per request (``[R]``, on the device for
@@ -573,20 +726,25 @@ class EvictionManager:
             repack_kv_independent(self.pool.k_buffers, self.pool.v_buffers, src, dst)
         return torch.tensor([p.num_moves for p in host_plans], dtype=torch.int64)
 
-    def _commit(self, work, columns, rows_raw: Tensor, plan: BatchPlan, scores: Tensor) -> None:
-        """Rows, positions, carried scores, offsets and allocator frees (device, no host
-        wait), then each request's host state. Nothing here can refuse: it matches what
-        moved."""
+    def _write(self, columns, rows_raw: Tensor, plan: BatchPlan, scores: Tensor) -> None:
+        """Rows, positions, carried scores and offsets on the device (no host wait).
+        Padded requests repeat request 0's writes (``alias``): same index, same values.
+        Nothing here can refuse: it matches what moved."""
         width = plan.new_row.shape[1]
-        rows = columns["row"]
-        self.pool.write_rows(rows, torch.where(plan.live, plan.new_row, rows_raw[:, :width]))
+        rows, alias = columns["row"], columns["alias"]
+        new_rows = torch.where(plan.live, plan.new_row, rows_raw[:, :width])
+        self.pool.write_rows(rows, new_rows.index_select(0, alias))
         table_index = (rows.unsqueeze(1), arange(width, self.device).unsqueeze(0))
-        self.positions_by_row.index_put_(table_index, plan.new_positions.to(torch.int32))
+        new_positions = plan.new_positions.index_select(0, alias)
+        self.positions_by_row.index_put_(table_index, new_positions.to(torch.int32))
         if self.accumulated_by_row is not None:  # each survivor's score moves with it
             content = plan.content.clamp(max=scores.shape[1] - 1)
-            self.accumulated_by_row.index_put_(table_index, scores.gather(1, content))
+            carried = scores.gather(1, content).index_select(0, alias)
+            self.accumulated_by_row.index_put_(table_index, carried)
         self.offsets_by_row.index_put_((rows,), columns["offset_after"])
-        self.pool.release_pages(plan.release)
+
+    def _commit_states(self, work) -> None:
+        """Each request's host state after its pass."""
         for d, c in work:
             previous = self.states.get(d.rid)
             self.states[d.rid] = RequestState(

@@ -38,6 +38,12 @@ COMPACTOR_FALLBACKS_TOTAL = "sglang_evict:compactor_fallbacks_total"
 LEASE_RELEASE_FAILURES_TOTAL = "sglang_evict:lease_release_failures_total"
 # Passes completed in-process after the compactor failed once the pass was sent.
 PASS_FORCED_COMPLETIONS_TOTAL = "sglang_evict:pass_forced_completions_total"
+# With pass CUDA graphs on (``sglang_evict.pass_graphs``): passes replayed, and passes
+# that ran eagerly (a shape past the captured set, or a pass that cannot be captured).
+PASS_GRAPH_REPLAYS_TOTAL = "sglang_evict:pass_graph_replays_total"
+PASS_GRAPH_MISSES_TOTAL = "sglang_evict:pass_graph_misses_total"
+# The group size of passes (``--kv-pass-group-steps``; chosen by the server with auto).
+PASS_GROUP_STEPS = "sglang_evict:pass_group_steps"
 
 # Host time of one batched pass (every due request of a decode step): benches/bench_pass.py
 # measures 0.3-30 ms on CPU tensors (the device work included there), less on a GPU host.
@@ -97,10 +103,15 @@ class EvictionMetrics:
     compactor_fallbacks: Any
     lease_release_failures: Any
     forced_completions: Any
+    graph_replays: Any
+    graph_misses: Any
+    group_steps: Any
     scorer: str
     _fallbacks_seen: int = 0
     _release_failures_seen: int = 0
     _forced_seen: int = 0
+    _replays_seen: int = 0
+    _misses_seen: int = 0
     # strategy -> (slot copies on their way from the device, bytes per slot)
     _copies: dict = field(default_factory=dict)
 
@@ -172,6 +183,22 @@ class EvictionMetrics:
                 "Passes completed in-process after the compactor failed mid-call",
                 registry=registry,
             ),
+            graph_replays=Counter(
+                PASS_GRAPH_REPLAYS_TOTAL.removesuffix("_total"),
+                "Passes replayed as a captured CUDA graph",
+                registry=registry,
+            ),
+            graph_misses=Counter(
+                PASS_GRAPH_MISSES_TOTAL.removesuffix("_total"),
+                "Passes run eagerly although pass CUDA graphs are on",
+                registry=registry,
+            ),
+            group_steps=Gauge(
+                PASS_GROUP_STEPS,
+                "Decode steps one pass serves (--kv-pass-group-steps; auto: the choice)",
+                registry=registry,
+                multiprocess_mode="max",
+            ),
             scorer=scorer,
         )
 
@@ -227,6 +254,15 @@ class EvictionMetrics:
             self._forced_seen = forced
         if manager.compactor is not None:
             self.record_compactor(manager.compactor)
+        graphs = manager.graphs
+        if graphs is not None:
+            if graphs.replays > self._replays_seen:
+                self.graph_replays.inc(graphs.replays - self._replays_seen)
+                self._replays_seen = graphs.replays
+            if graphs.misses > self._misses_seen:
+                self.graph_misses.inc(graphs.misses - self._misses_seen)
+                self._misses_seen = graphs.misses
+        self.group_steps.set(manager.pass_group_steps)
 
     def record_compactor(self, compactor: Any) -> None:
         """Sidecar health and fallbacks of a ``FallbackCompactor`` (no-op otherwise)."""

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from sglang_evict.batch_pass.counts import ceil_div
+from sglang_evict.batch_pass.shapes import ladder_bucket, power_of_two_bucket
 from sglang_evict.config import EvictionConfig
 from sglang_evict.evictor import DueRequest, EvictionManager
 from sglang_evict.query_capture import QueryRing, RingShape
@@ -192,9 +193,11 @@ def test_batched_scoring_holds_one_layer_of_keys_at_a_time(scorer):
     manager, _ = meta_manager(config, rows=rows, capacity=256, spare_pages=64, layers=layers)
     lengths = [80 + 16 * r for r in range(rows)]
     due = [DueRequest(f"r{r}", r, n, 16, PROMPT) for r, n in enumerate(lengths)]
-    width = ceil_div(max(lengths), 16) * 16  # the pass's padded row width
-    one_layer_keys = rows * width * KV_HEADS * HEAD_DIM
-    one_layer_logits = rows * Q_HEADS * window * width
+    # The pass's padded shape (``batch_pass.shapes``: requests and row width bucketed).
+    padded_rows = power_of_two_bucket(rows)
+    width = ladder_bucket(ceil_div(max(lengths), 16)) * 16
+    one_layer_keys = padded_rows * width * KV_HEADS * HEAD_DIM
+    one_layer_logits = padded_rows * Q_HEADS * window * width
     largest = LargestOutput()
     with largest:
         results = manager.run_batch_pass(due)

@@ -96,9 +96,16 @@ def test_pass_bench_dispatches_as_many_operations_whatever_the_budget_and_due_re
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
     assert "ops/pass" in lines[1]
-    rows = [line.split() for line in lines[2:]]
+    rows = [line.split() for line in lines[2:6]]
     assert [(int(r[0]), int(r[1])) for r in rows] == [(256, 1), (256, 5), (1024, 1), (1024, 5)]
     assert len({int(r[5]) for r in rows}) == 1, lines
+    # The second table: a replayed pass (capture emulated on CPU) dispatches at most 10
+    # operations outside its replay, whatever the budget and the due requests.
+    assert "ops outside" in lines[8], lines
+    replayed = [line.split() for line in lines[9:13]]
+    assert [(int(r[0]), int(r[1])) for r in replayed] == [(256, 1), (256, 5), (1024, 1), (1024, 5)]
+    outside = {int(r[5]) for r in replayed}
+    assert len(outside) == 1 and outside.pop() <= 10, lines
 
 
 def test_scoring_bench_runs_its_smoke_configuration_on_cpu():

@@ -310,7 +310,7 @@ def test_metrics_count_what_the_passes_did():
 
 def test_metric_names_never_reuse_sglangs_namespace():
     names = [v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)]
-    assert len(names) == 14 and all(name.startswith("sglang_evict:") for name in names)
+    assert len(names) == 17 and all(name.startswith("sglang_evict:") for name in names)
 
 
 def test_decode_hook_replaces_batch_lengths_keeping_their_dtypes():

@@ -1,8 +1,9 @@
 """The padded device inputs of a batched pass, built from host ints and the pool.
 
 Every per-request int the device needs goes over in one packed host-to-device copy
-(pinned, non-blocking on a GPU); rows and logical positions are gathered on the device
-from the request-to-token pool and the positions table. Nothing is read back.
+(``host_columns``: pinned, non-blocking on a GPU; into a graph's static buffer when the
+pass is replayed); rows and logical positions are gathered on the device from the
+request-to-token pool and the positions table (``gather_inputs``). Nothing is read back.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sglang_evict.batch_pass.counts import PAGE_COUNTS, PassCounts, ceil_div, page_counts
+from sglang_evict.batch_pass.counts import PAGE_COUNTS, PassCounts, page_counts
 from sglang_evict.batch_pass.indices import arange
+from sglang_evict.batch_pass.shapes import PassShape
 from sglang_evict.scorers.base import BatchKVView
-from sglang_evict_kernels import device_int64
 
 # Per-request ints, one int64 row each of the packed tensor.
 COLUMNS = (
@@ -31,6 +32,7 @@ COLUMNS = (
     "offset_after",  # position offset after the pass
     "staging",  # staging pages given (repack)
     "staging_base",  # where they start in the claimed pages
+    "alias",  # the request whose writes this one repeats: itself; padding: 0
     *PAGE_COUNTS,  # the planners' page counts (``counts.page_counts``)
 )
 
@@ -46,24 +48,18 @@ class BatchInputs:
     view: BatchKVView
 
 
-def batch_inputs(
+def host_columns(
     *,
-    pool,
-    positions_by_row: Tensor,
     row_of_request: list[int],
     compacted_lens: list[int],
     counts: list[PassCounts],
     staging_counts: list[int],
-    use_pool_kernels: bool,
-    query_ring=None,
-    accumulated_by_row: Tensor | None = None,
-) -> BatchInputs:
-    """Pack the host ints, gather rows and positions (``sglang_evict.evictor`` module
-    docstring: positions past ``compacted_len`` are ``index + offset``); with a
-    ``query_ring`` (``sglang_evict.query_capture.QueryRing``) the requests' captured
-    queries, with ``accumulated_by_row`` (float32, shaped like the positions table) the
-    scores carried over from earlier passes (entries appended since: 0)."""
-    device = positions_by_row.device
+    shape: PassShape,
+) -> list[int]:
+    """The packed host ints of a pass: ``COLUMNS`` one after the other, each
+    ``shape.requests`` long. Requests past the due ones are padding: no entry, nothing
+    kept, moved or released, and request 0's row, offset and writes (``alias``), so
+    their writes repeat request 0's exactly (``shapes`` module docstring)."""
     staging_base = [sum(staging_counts[:i]) for i in range(len(staging_counts))]
     values = [
         (
@@ -79,6 +75,7 @@ def batch_inputs(
             c.next_position - c.survivors,
             staging,
             base,
+            index,
             *page_counts(
                 kv_len=c.kv_len,
                 survivors=c.survivors,
@@ -86,18 +83,41 @@ def batch_inputs(
                 page_size=c.page_size,
             ),
         )
-        for row, compacted, c, staging, base in zip(
-            row_of_request, compacted_lens, counts, staging_counts, staging_base, strict=True
+        for index, (row, compacted, c, staging, base) in enumerate(
+            zip(row_of_request, compacted_lens, counts, staging_counts, staging_base, strict=True)
         )
     ]
-    packed = device_int64([v for column in zip(*values, strict=True) for v in column], device)
-    columns = dict(zip(COLUMNS, packed.view(len(COLUMNS), len(counts)), strict=True))
-    # Whole pages when the row capacity allows: the planner's page grid is then a view.
-    page_size = counts[0].page_size
-    width = min(
-        ceil_div(max(c.kv_len for c in counts), page_size) * page_size, positions_by_row.shape[1]
-    )
-    index = arange(width, device).unsqueeze(0)
+    first = values[0]
+    padding = (first[0], 0, 0, 0, 0, 0, 0, 0, 0, first[9], 0, 0, 0, *[0] * len(PAGE_COUNTS))
+    values += [padding] * (shape.requests - len(values))
+    return [v for column in zip(*values, strict=True) for v in column]
+
+
+def unpack_columns(packed: Tensor) -> dict[str, Tensor]:
+    """``COLUMNS`` as views of the packed ``[len(COLUMNS) * R]`` device tensor."""
+    return dict(zip(COLUMNS, packed.view(len(COLUMNS), -1), strict=True))
+
+
+def gather_inputs(
+    *,
+    pool,
+    positions_by_row: Tensor,
+    columns: dict[str, Tensor],
+    width: int,
+    lengths: tuple[int, ...],
+    current_positions_host: tuple[int, ...],
+    use_pool_kernels: bool,
+    query_ring=None,
+    accumulated_by_row: Tensor | None = None,
+) -> BatchInputs:
+    """Rows and positions gathered on the device (``sglang_evict.evictor`` module
+    docstring: positions past ``compacted_len`` are ``index + offset``); with a
+    ``query_ring`` (``sglang_evict.query_capture.QueryRing``) the requests' captured
+    queries, with ``accumulated_by_row`` (float32, shaped like the positions table) the
+    scores carried over from earlier passes (entries appended since: 0). ``lengths``
+    and ``current_positions_host``: the host's copies, padded with 0 (read only by the
+    scorers scored one request at a time)."""
+    index = arange(width, positions_by_row.device).unsqueeze(0)
     rows_raw = pool.read_rows(columns["row"], width)
     valid = index < columns["kv_len"].unsqueeze(1)
     table = positions_by_row[:, :width].index_select(0, columns["row"]).to(torch.int64)
@@ -117,8 +137,8 @@ def batch_inputs(
         positions=positions,
         valid=valid,
         current_positions=current_positions,
-        lengths=tuple(c.kv_len for c in counts),
-        current_positions_host=tuple(c.next_position for c in counts),
+        lengths=lengths,
+        current_positions_host=current_positions_host,
         gather_keys=pool.gather_keys,
         use_pool_kernels=use_pool_kernels,
         gather_layer_keys=pool.gather_layer_keys,

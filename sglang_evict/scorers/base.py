@@ -273,6 +273,10 @@ class Scorer:
 
     name: ClassVar[str]
     needs_queries: ClassVar[bool] = False
+    # Whether the batched form (``batch_scores``) reads device data only, never the
+    # view's host tuples: such a pass can be captured once and replayed as a CUDA graph
+    # (``sglang_evict.pass_graphs``). Scorers without a batched form are never safe.
+    graph_safe: ClassVar[bool] = False
     head_normalization: str = "zscore"
     head_reduction: str = "mean"
 

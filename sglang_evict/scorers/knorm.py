@@ -17,6 +17,7 @@ from sglang_evict.scorers.base import BatchKVView, KVView, Scorer
 @dataclass(frozen=True, kw_only=True)
 class KNormScorer(Scorer):
     name = "knorm"
+    graph_safe = True
 
     def pool_head_scores(
         self, k_buffers, slots: Tensor, current_position: int, *, check_slots: bool = True

@@ -58,6 +58,7 @@ def key_redundancy(keys_layer: Tensor) -> Tensor:
 @dataclass(frozen=True, kw_only=True)
 class RKVScorer(Scorer):
     name = "rkv"
+    graph_safe = True
     needs_queries = True
     mix_lambda: float = 0.1
     pool_kernel: int = 7

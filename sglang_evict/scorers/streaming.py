@@ -17,6 +17,7 @@ from sglang_evict.scorers.base import BatchKVView, KVView, Scorer
 @dataclass(frozen=True, kw_only=True)
 class StreamingScorer(Scorer):
     name = "streaming"
+    graph_safe = True
 
     def score(self, view: KVView) -> Tensor:
         # Positions are exact in float32 up to 2**24 tokens; no normalisation needed.

@@ -127,6 +127,7 @@ def batch_window_weights(view: BatchKVView, mode: str, pool_kernel: int) -> Tens
 @dataclass(frozen=True, kw_only=True)
 class WindowScorer(Scorer):
     name = "window"
+    graph_safe = True
     needs_queries = True
     mode: str = "sum"
     pool_kernel: int = 1

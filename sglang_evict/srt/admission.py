@@ -90,7 +90,7 @@ def request_growth(manager, req, *, kv_len: int, num_shared: int) -> int | None:
         survivors_cap=cap,
         cadence=policy.cadence_tokens,
         page_size=config.page_size,
-        pass_group_steps=config.pass_group_steps,
+        pass_group_steps=config.group_steps_bound,
     )
 
 

@@ -115,6 +115,8 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
     check_startup(ctx.server_args, config, model_facts_of_context(ctx))
     cache = EvictingRadixCache(ctx.params, config)
     cache.evictor.request_limits = request_limits(config, ctx.tp_size)
+    if config.pass_cuda_graph is None and getattr(ctx.server_args, "disable_cuda_graph", False):
+        cache.evictor.graphs = None  # default: pass graphs only beside SGLang's own
     # Passes wait, on the device, for the in-flight forward on this stream.
     cache.evictor.forward_stream = forward_stream_of(ctx.tp_worker)
     capture.attach(cache.evictor, getattr(ctx.tp_worker, "model_runner", None))
@@ -134,7 +136,8 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
     plan = capture.STATE.plan if cache.evictor.query_ring is not None else None
     logger.info(
         "sglang-evict active: budget=%d cadence=%d sinks=%d protected=%d window=%d scorer=%s "
-        "compaction=%s page_size=%d attention_backend=%s (%s, unchanged by the plugin); %s",
+        "compaction=%s page_size=%d attention_backend=%s (%s, unchanged by the plugin); %s; "
+        "pass group steps %s; passes %s",
         config.kv_budget_tokens,
         config.cadence_tokens,
         config.sink_tokens,
@@ -146,5 +149,7 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
         getattr(ctx.server_args, "attention_backend", None),
         capture.STATE.attention_backend,
         plan.describe() if plan is not None else "query capture off (the scorer reads no queries)",
+        config.pass_group_steps,
+        "replayed as CUDA graphs" if cache.evictor.graphs is not None else "eager",
     )
     return cache

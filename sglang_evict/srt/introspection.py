@@ -84,6 +84,11 @@ def plugin_report(manager, totals: PassTotals) -> dict:
     report["pass_failure_streak"] = manager.failures.streak
     report["forced_completions"] = manager.forced_completions
     report["query_capture"] = capture.report()
+    if manager.group_choice is not None:  # --kv-pass-group-steps auto: the choice
+        report["pass_grouping"] = {"mode": "auto", **manager.group_choice.report()}
+    else:
+        report["pass_grouping"] = {"mode": "fixed", "pass_group_steps": manager.pass_group_steps}
+    report["pass_graphs"] = None if manager.graphs is None else manager.graphs.report()
     compactor = manager.compactor
     if hasattr(compactor, "sidecar_passes"):  # --kv-compactor grpc (FallbackCompactor)
         report["compactor"] = {

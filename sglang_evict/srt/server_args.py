@@ -281,6 +281,18 @@ def startup_problems(
             f"--enable-torch-compile or use one of "
             f"{[n for n in runnable if not SCORERS[n].needs_queries]}"
         )
+    if config.pass_cuda_graph:
+        device = getattr(server_args, "device", None)
+        if getattr(server_args, "disable_cuda_graph", False):
+            problems.append(
+                "--kv-pass-cuda-graph replays passes beside SGLang's decode CUDA graphs, "
+                "which --disable-cuda-graph turns off; remove one of the two"
+            )
+        elif device not in (None, "cuda"):
+            problems.append(
+                f"--kv-pass-cuda-graph needs a CUDA device (the server runs on --device "
+                f"{device}); remove it"
+            )
     tp_size = getattr(server_args, "tp_size", 1) or 1
     supported_under_tp = RANK_INDEPENDENT_SCORERS + TP_REDUCED_SCORERS
     if tp_size > 1 and scorer not in supported_under_tp:
