@@ -140,8 +140,7 @@ def _pad_claimed(claimed: Tensor | None, total: int, device) -> Tensor:
     """The claimed staging pages padded to ``total`` (the shape's staging bucket)."""
     if claimed is None:
         return torch.zeros(total, dtype=torch.int64, device=device)
-    if claimed.numel() == total:
-        return claimed.to(torch.int64)
+    # Always the same two operations, whether or not the bucket is full.
     tail = torch.zeros(total - claimed.numel(), dtype=torch.int64, device=device)
     return torch.cat([claimed.to(torch.int64), tail])
 
