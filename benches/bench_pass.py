@@ -265,7 +265,9 @@ def time_replay_point(args, budget, num_requests, replayed: bool):
             counter.inside -= 1
 
     manager._device_pass = counted
-    due = [DueRequest(f"r{r}", r, kv_len, PROMPT_TOKENS, PROMPT_TOKENS) for r in range(num_requests)]
+    due = [
+        DueRequest(f"r{r}", r, kv_len, PROMPT_TOKENS, PROMPT_TOKENS) for r in range(num_requests)
+    ]
     times = []
     for repeat in range(args.repeats + 2):
         fill_rows(pool, num_requests, kv_len, args.page_size, seed=repeat)
@@ -288,11 +290,12 @@ def time_replay_point(args, budget, num_requests, replayed: bool):
 
 
 def replay_table(args) -> None:
+    how = "CUDA graphs" if args.device == "cuda" else "capture emulated off CUDA"
+    print(f"\nstatic-shape pass, eager vs replayed ({how}), host ms per pass")
     print(
-        f"\nstatic-shape pass, eager vs replayed ({'CUDA graphs' if args.device == 'cuda' else 'capture emulated off CUDA'}), "
-        "host ms per pass"
+        f"{'budget':>7} {'due':>4} {'eager ms':>9} {'replay ms':>10} {'ratio':>7} "
+        f"{'ops outside':>12}"
     )
-    print(f"{'budget':>7} {'due':>4} {'eager ms':>9} {'replay ms':>10} {'ratio':>7} {'ops outside':>12}")
     for budget in args.budgets:
         for num_requests in args.due:
             eager_ms, _ = time_replay_point(args, budget, num_requests, replayed=False)

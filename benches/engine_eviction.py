@@ -312,7 +312,7 @@ def main(argv=None) -> int:
         ratio = summaries[mode]["step_ms_mean"] / summaries["off"]["step_ms_mean"]
         group = group_steps(args, mode)
         if group == "auto":
-            chosen = ((results[mode].get("plugin") or {}).get("pass_grouping") or {})
+            chosen = (results[mode].get("plugin") or {}).get("pass_grouping") or {}
             group = f"auto, chose {chosen.get('pass_group_steps')}"
         print(
             f"decode step time, eviction {mode} (group {group}) / off: {ratio:.3f} (goal <= 1.03)"

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 import uuid

@@ -144,6 +144,7 @@ def _pad_claimed(claimed: Tensor | None, total: int, device) -> Tensor:
     tail = torch.zeros(total - claimed.numel(), dtype=torch.int64, device=device)
     return torch.cat([claimed.to(torch.int64), tail])
 
+
 __all__ = [
     "DueRequest",
     "EvictionManager",
@@ -542,7 +543,9 @@ class EvictionManager:
         claimed = self._claim_staging(sum(staging_counts))
         try:
             if graphable:
-                key = PassKey(shape, scorers[0].name, strategy, step.use_pool_kernels, step.with_queries)
+                key = PassKey(
+                    shape, scorers[0].name, strategy, step.use_pool_kernels, step.with_queries
+                )
                 lease = self.lease.acquire()  # the replay holds the moves
                 if lease is not None:
                     span.set_attribute(tracing.ATTR_FENCING_TOKEN, lease.token)
@@ -690,7 +693,8 @@ class EvictionManager:
             return empty, empty.bool()
         column = arange(U, self.device).unsqueeze(0)
         given = column < columns["staging"].unsqueeze(1)
-        index = torch.where(given, columns["staging_base"].unsqueeze(1) + column, shape.staging_total)
+        starts = columns["staging_base"].unsqueeze(1)
+        index = torch.where(given, starts + column, shape.staging_total)
         padded = torch.cat([staging_flat.to(torch.int64), staging_flat.new_zeros(1)])
         return padded[index], given
 

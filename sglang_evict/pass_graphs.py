@@ -181,4 +181,3 @@ class PassGraphs:
             len(self.entries) + 1,
             self.graph_pool_bytes / 2**20,
         )
-

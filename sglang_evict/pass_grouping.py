@@ -32,7 +32,9 @@ RECHOOSE_STEPS = 64  # decode steps between two choices
 _EMA = 0.2  # weight of the newest sample in the running means
 
 
-def choose_group_steps(pass_s: float, step_s: float, *, max_steps: int = AUTO_MAX_GROUP_STEPS) -> int:
+def choose_group_steps(
+    pass_s: float, step_s: float, *, max_steps: int = AUTO_MAX_GROUP_STEPS
+) -> int:
     """The smallest N in ``[1, max_steps]`` with ``pass_s / (N * step_s) <= TARGET_SHARE``
     (``max_steps`` when none is)."""
     if pass_s <= 0:

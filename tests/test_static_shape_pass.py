@@ -89,7 +89,9 @@ def assert_same(a: EvictionManager, b: EvictionManager, results_a, results_b) ->
         (r.rid, r.tokens_after, r.pages_freed, r.strategy) for r in results_b
     ]
     assert [r.slot_copies for r in results_a] == [r.slot_copies for r in results_b]
-    for x, y in zip(a.pool.k_buffers + a.pool.v_buffers, b.pool.k_buffers + b.pool.v_buffers):
+    for x, y in zip(
+        a.pool.k_buffers + a.pool.v_buffers, b.pool.k_buffers + b.pool.v_buffers, strict=True
+    ):
         assert torch.equal(x, y), "the pools' K/V differ"
     assert torch.equal(a.pool.free, b.pool.free), "the allocators got different pages back"
     for r in results_a:
@@ -177,7 +179,8 @@ def test_the_padded_pass_equals_the_exact_pass(page_size, compaction, evict_prom
 
 
 def test_buckets_are_the_ladder_and_cover_their_content():
-    assert [ladder_bucket(n) for n in range(0, 14)] == [0, 1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+    ladder = [0, 1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+    assert [ladder_bucket(n) for n in range(0, 14)] == ladder
     assert [power_of_two_bucket(n) for n in (0, 1, 3, 5, 64, 65)] == [0, 1, 4, 8, 64, 128]
     for n in range(1, 5000):
         assert n <= ladder_bucket(n) <= max(4, 1.5 * n)
@@ -188,8 +191,16 @@ def test_a_padded_shape_covers_the_exact_one_and_stays_in_the_row():
 
     counts = [
         pass_counts(
-            kv_len=n, position_offset=0, num_shared=0, prompt_len=0, page_size=16,
-            budget=100, sink_tokens=4, protected_tokens=0, window_tokens=8, evict_prompt=True,
+            kv_len=n,
+            position_offset=0,
+            num_shared=0,
+            prompt_len=0,
+            page_size=16,
+            budget=100,
+            sink_tokens=4,
+            protected_tokens=0,
+            window_tokens=8,
+            evict_prompt=True,
         )
         for n in (130, 300, 501)
     ]
@@ -229,8 +240,13 @@ def test_replayed_passes_equal_eager_ones_and_dispatch_little_outside_the_replay
     allocator hand-over)."""
     page_size, rows = 16, 3
     config = EvictionConfig(
-        kv_budget_tokens=96, cadence_tokens=32, sink_tokens=SINKS, window_tokens=WINDOW,
-        page_size=page_size, compaction=compaction, scorer=scorer,
+        kv_budget_tokens=96,
+        cadence_tokens=32,
+        sink_tokens=SINKS,
+        window_tokens=WINDOW,
+        page_size=page_size,
+        compaction=compaction,
+        scorer=scorer,
     )
     eager_pool = make_pool(page_size, rows, seed=7)
     for r in range(rows):
@@ -253,7 +269,7 @@ def test_replayed_passes_equal_eager_ones_and_dispatch_little_outside_the_replay
     replayed._device_pass = counted_body
     lengths = {r: 128 + 8 * r for r in range(rows)}
     outside = []
-    for pass_index in range(4):
+    for _ in range(4):
         due = [DueRequest(f"r{r}", r, lengths[r], 0, 0) for r in range(rows)]
         results_eager = eager.run_batch_pass(due)
         counter.count = 0
@@ -281,8 +297,12 @@ def test_passes_that_cannot_be_replayed_run_eagerly_and_are_counted():
     """Mixed scorers in one pass, or a scorer that draws on the host (``random``): the
     pass runs eagerly, the same as without graphs, and counts as a miss."""
     config = EvictionConfig(
-        kv_budget_tokens=64, cadence_tokens=16, sink_tokens=SINKS, window_tokens=WINDOW,
-        page_size=16, scorer="knorm",
+        kv_budget_tokens=64,
+        cadence_tokens=16,
+        sink_tokens=SINKS,
+        window_tokens=WINDOW,
+        page_size=16,
+        scorer="knorm",
     )
     pool = make_pool(16, 2, seed=3)
     for r in range(2):
@@ -310,8 +330,13 @@ def test_cuda_graph_replays_equal_eager_passes_on_a_gpu(compaction, scorer):
 
     page_size, rows, steps = 16, 8, 6
     config = EvictionConfig(
-        kv_budget_tokens=96, cadence_tokens=32, sink_tokens=SINKS, window_tokens=WINDOW,
-        page_size=page_size, compaction=compaction, scorer=scorer,
+        kv_budget_tokens=96,
+        cadence_tokens=32,
+        sink_tokens=SINKS,
+        window_tokens=WINDOW,
+        page_size=page_size,
+        compaction=compaction,
+        scorer=scorer,
     )
     eager_config = dataclasses.replace(config, pass_cuda_graph=False)
     eager_pool = make_pool(page_size, rows, seed=5, device="cuda")

@@ -1,0 +1,102 @@
+"""``--kv-pass-group-steps auto`` (``sglang_evict.pass_grouping``) and
+``--kv-pass-cuda-graph``: the choice's arithmetic, its re-choosing, the flags, the
+admission bound and the refusals."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from sglang.srt.server_args import ServerArgs
+
+from sglang_evict.cli_flags import add_policy_flags, config_from_args
+from sglang_evict.config import EvictionConfig
+from sglang_evict.pass_grouping import (
+    AUTO_MAX_GROUP_STEPS,
+    RECHOOSE_STEPS,
+    GroupChoice,
+    choose_group_steps,
+)
+from sglang_evict.srt.server_args import startup_problems
+
+
+def test_the_choice_is_the_smallest_group_keeping_passes_under_one_percent():
+    # A 0.3 ms pass against 1.5 ms steps: 20 steps make it 1 %.
+    assert choose_group_steps(0.3e-3, 1.5e-3) == 20
+    assert 0.3e-3 / (20 * 1.5e-3) <= 0.01 < 0.3e-3 / (19 * 1.5e-3)
+    assert choose_group_steps(1e-6, 1e-3) == 1  # a pass under 1 % of one step
+    assert choose_group_steps(1.0, 1e-3) == AUTO_MAX_GROUP_STEPS  # capped
+    assert choose_group_steps(0.0, 1e-3) == 1 and choose_group_steps(1e-3, 0.0) == 32
+
+
+def test_the_choice_starts_at_one_and_changes_only_every_rechoose_steps():
+    choice = GroupChoice()
+    assert choice.steps == 1
+    for _ in range(3 * RECHOOSE_STEPS):  # no pass seen yet: no reason to group
+        assert choice.note_step(1e-3) is False
+    assert choice.steps == 1
+    choice.note_pass(0.2e-3)
+    changed = [choice.note_step(1e-3) for _ in range(RECHOOSE_STEPS)]
+    assert changed.index(True) == RECHOOSE_STEPS - 1 and sum(changed) == 1
+    assert choice.steps == 20
+    report = choice.report()
+    assert report["pass_group_steps"] == 20 and report["pass_share_of_step"] == 0.01
+
+
+def parse(*argv: str) -> EvictionConfig:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_policy_flags(parser, default_budget=1024)
+    parser.add_argument("--page-size", type=int, default=1)  # the server's flag
+    return config_from_args(parser.parse_args(list(argv)))
+
+
+def test_the_flags_take_auto_and_the_graph_switch_and_refuse_the_rest():
+    assert parse().pass_group_steps == 1 and parse().pass_cuda_graph is None
+    config = parse("--kv-pass-group-steps", "auto", "--no-kv-pass-cuda-graph")
+    assert config.pass_group_steps == "auto" and config.pass_cuda_graph is False
+    assert config.group_steps_bound == AUTO_MAX_GROUP_STEPS  # what admission counts
+    assert parse("--kv-pass-group-steps", "8").group_steps_bound == 8
+    with pytest.raises(argparse.ArgumentError, match=r"invalid int value.*\(or auto\)"):
+        parse("--kv-pass-group-steps", "sometimes")
+    with pytest.raises(ValueError, match="pass_group_steps must be an integer"):
+        EvictionConfig(kv_budget_tokens=1024, pass_group_steps="often")
+    with pytest.raises(ValueError, match="pass_cuda_graph must be true, false or unset"):
+        EvictionConfig(kv_budget_tokens=1024, pass_cuda_graph="yes")
+
+
+def test_pass_graphs_are_refused_without_sglangs_graphs_or_off_cuda():
+    config = EvictionConfig(kv_budget_tokens=1024, scorer="knorm", pass_cuda_graph=True)
+    off = ServerArgs(model_path="dummy", device="cuda", disable_cuda_graph=True)
+    (problem,) = startup_problems(off, config)
+    assert "--kv-pass-cuda-graph" in problem and "--disable-cuda-graph" in problem
+    cpu = ServerArgs(model_path="dummy", device="cpu")
+    (problem,) = startup_problems(cpu, config)
+    assert "needs a CUDA device" in problem
+    default = EvictionConfig(kv_budget_tokens=1024, scorer="knorm")
+    assert startup_problems(off, default) == [] and startup_problems(cpu, default) == []
+
+
+def test_a_manager_off_cuda_refuses_pass_graphs_and_groups_by_its_choice():
+    import torch
+
+    from sglang_evict.evictor import EvictionManager
+    from sglang_evict.tensor_pool import TensorPool
+
+    def pool():
+        buffers = [torch.zeros(64, 1, 4)]
+        return TensorPool(k_buffers=buffers, v_buffers=buffers, page_size=1, rows=2, capacity=32)
+
+    def manager(**fields):
+        config = EvictionConfig(kv_budget_tokens=16, window_tokens=4, page_size=1, **fields)
+        return EvictionManager(
+            config=config, pool=pool(), compactor=None, num_request_rows=2, row_capacity=32
+        )
+
+    with pytest.raises(ValueError, match="needs the KV pool on a CUDA device"):
+        manager(pass_cuda_graph=True)
+    assert manager().graphs is None  # the default off CUDA: eager
+    auto = manager(pass_group_steps="auto")
+    assert [auto.open_pass_step() for _ in range(3)] == [True, True, True]
+    auto.group_choice.steps = 4
+    assert [auto.open_pass_step() for _ in range(4)] == [True, False, False, False]
+    assert auto.pass_group_steps == 4
