@@ -70,6 +70,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph | None = None
     outputs: tuple[Tensor, Tensor] | None = None
     body: Body | None = None  # off CUDA: the captured body, run on replay
+    failed: bool = False  # the capture raised: passes of this key run eagerly
 
 
 @dataclass
@@ -111,9 +112,26 @@ class PassGraphs:
             entry = self._new_entry(key)
             self._fill(entry, packed_host, claimed)
             outputs = body(entry.packed, entry.claimed)
-            self._capture(key, entry, body)
+            # The pass above has run and must commit: a capture that fails leaves this
+            # key eager (and counted), never the pass undone.
+            try:
+                self._capture(key, entry, body)
+            except Exception as error:
+                entry.failed = True
+                logger.error(
+                    "sglang-evict: a pass of %d request(s), width %d could not be captured "
+                    "as a CUDA graph (%s: %s); passes of this shape run eagerly, counted in "
+                    "sglang_evict:pass_graph_misses_total",
+                    key.shape.requests,
+                    key.shape.width,
+                    type(error).__name__,
+                    error,
+                )
             self.entries[key] = entry
             return outputs
+        if entry.failed:
+            self.misses += 1
+            return body(*self._eager_inputs(key, packed_host, claimed))
         self._fill(entry, packed_host, claimed)
         if entry.graph is not None:
             entry.graph.replay()

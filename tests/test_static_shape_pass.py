@@ -293,6 +293,44 @@ def test_replayed_passes_equal_eager_ones_and_dispatch_little_outside_the_replay
     assert max(replays) <= 10, outside
 
 
+def test_a_capture_that_fails_leaves_its_shape_eager_and_the_pass_committed(monkeypatch):
+    """A capture raising (a CUDA error, an operation graphs refuse) comes after the
+    shape's first pass ran: that pass commits, and later passes of the shape run
+    eagerly, counted as misses; the outcome equals eager passes throughout."""
+    config = EvictionConfig(
+        kv_budget_tokens=64,
+        cadence_tokens=16,
+        sink_tokens=SINKS,
+        window_tokens=WINDOW,
+        page_size=16,
+        scorer="knorm",
+    )
+    eager_pool = make_pool(16, 2, seed=11)
+    for r in range(2):
+        append_tokens(eager_pool, r, 0, 80)
+    other_pool = clone_pool(eager_pool)
+    eager = manager_for(eager_pool, config, static=True)
+    broken = manager_for(other_pool, config, static=True)
+    broken.graphs = PassGraphs(torch.device("cpu"))
+
+    def refuse(*_args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(broken.graphs, "_capture", refuse)
+    lengths = {0: 80, 1: 80}
+    for _ in range(3):
+        due = [DueRequest(f"r{r}", r, lengths[r], 0, 0) for r in range(2)]
+        assert_same(eager, broken, eager.run_batch_pass(due), broken.run_batch_pass(due))
+        for r in range(2):
+            lengths[r] = 64
+            broken.check_request(f"r{r}", 64)
+            append_tokens(eager_pool, r, 64, 16)
+            append_tokens(other_pool, r, 64, 16)
+            lengths[r] = 80
+    assert broken.graphs.misses == 2 and broken.graphs.replays == 0
+    assert broken.failures.streak == 0  # no pass failed
+
+
 def test_passes_that_cannot_be_replayed_run_eagerly_and_are_counted():
     """Mixed scorers in one pass, or a scorer that draws on the host (``random``): the
     pass runs eagerly, the same as without graphs, and counts as a miss."""
