@@ -70,6 +70,9 @@ EVICTION_METRICS = {
     "sglang_evict:budget_occupancy_ratio",
     "sglang_evict:compactor_up",
     "sglang_evict:compactor_fallbacks_total",
+    "sglang_evict:pass_graph_replays_total",
+    "sglang_evict:pass_graph_misses_total",
+    "sglang_evict:pass_group_steps",
 }
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
