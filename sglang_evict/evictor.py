@@ -2,8 +2,10 @@
 KV pool.
 
 Policy (scorers, selection, planning: ``sglang_evict.batch_pass``) is pure; this module
-is where state changes: it reads the due requests' rows, has the policy choose and plan
-on the device, moves the slots, commits the new rows and frees pages. It talks to the
+(with ``sglang_evict.pass_device``, a pass's device work, and ``sglang_evict.pass_graphs``,
+its replay as a CUDA graph) is where state changes: it reads the due requests' rows,
+has the policy choose and plan on the device, moves the slots, commits the new rows and
+frees pages. It talks to the
 engine only through ``KVPoolAccess``, which the SGLang adapter implements.
 
 One pass per decode step, for every due request
@@ -90,20 +92,20 @@ from compactor_service.redis_leases import LeaseStoreUnavailable
 from sglang_evict.batch_pass import (
     BatchPlan,
     PassCounts,
-    PlanInputs,
     batch_strategy,
     pass_counts,
-    plan_hole_fill,
-    plan_repack,
-    protected_ranges_mask,
-    score_rows_or_fall_back,
-    select_keep,
 )
-from sglang_evict.batch_pass.counts import PAGE_COUNTS, frozen_length, leading_end
-from sglang_evict.batch_pass.indices import arange
-from sglang_evict.batch_pass.inputs import gather_inputs, host_columns, unpack_columns
-from sglang_evict.batch_pass.shapes import PassShape, pass_shape
+from sglang_evict.batch_pass.counts import frozen_length, leading_end
+from sglang_evict.batch_pass.inputs import host_columns
+from sglang_evict.batch_pass.shapes import pass_shape
 from sglang_evict.config import EvictionConfig
+from sglang_evict.pass_device import (
+    PassStep,
+    commit_writes,
+    device_pass,
+    pad_claimed,
+    score_and_plan,
+)
 from sglang_evict.pass_failures import FailureTracker
 from sglang_evict.pass_graphs import PassGraphs, PassKey
 from sglang_evict.pass_grouping import AUTO, AUTO_MAX_GROUP_STEPS, GroupChoice
@@ -120,29 +122,6 @@ from sglang_evict.scorers import Scorer, build_scorer
 from sglang_evict_kernels import device_int64, repack_kv_independent
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Step:
-    """What a pass's device work is specialised to (host values; ``scorers`` and the
-    host lengths are padded to ``shape.requests`` with request 0's scorer and 0)."""
-
-    shape: PassShape
-    strategy: str
-    scorers: tuple[Scorer, ...]
-    use_pool_kernels: bool
-    with_queries: bool
-    lengths: tuple[int, ...]
-    current_positions: tuple[int, ...]
-
-
-def _pad_claimed(claimed: Tensor | None, total: int, device) -> Tensor:
-    """The claimed staging pages padded to ``total`` (the shape's staging bucket)."""
-    if claimed is None:
-        return torch.zeros(total, dtype=torch.int64, device=device)
-    # Always the same two operations, whether or not the bucket is full.
-    tail = torch.zeros(total - claimed.numel(), dtype=torch.int64, device=device)
-    return torch.cat([claimed.to(torch.int64), tail])
 
 
 __all__ = [
@@ -523,7 +502,7 @@ class EvictionManager:
             static=self.static_shapes or graphable,
         )
         pad = shape.requests - len(work)
-        step = _Step(
+        step = PassStep(
             shape=shape,
             strategy=strategy,
             scorers=tuple(scorers) + (scorers[0],) * pad,
@@ -560,9 +539,9 @@ class EvictionManager:
                 if self.graphs is not None:
                     self.graphs.miss()
                 packed_device = device_int64(packed, self.device)
-                staging_device = _pad_claimed(claimed, shape.staging_total, self.device)
-                columns, rows_raw, scores, plan = self._score_and_plan(
-                    step, packed_device, staging_device
+                staging_device = pad_claimed(claimed, shape.staging_total, self.device)
+                columns, rows_raw, scores, plan = score_and_plan(
+                    self, step, packed_device, staging_device
                 )
                 lease = self.lease.acquire()  # only around the moves (``pass_lease``)
                 if lease is not None:
@@ -579,7 +558,7 @@ class EvictionManager:
             raise
         with tracing.tracer().start_as_current_span(tracing.SPAN_COMMIT):
             if written is not None:
-                self._write(*written)
+                commit_writes(self, *written)
                 release = written[2].release
             self.pool.release_pages(release[:num_released])
             self._commit_states(work)
@@ -615,65 +594,9 @@ class EvictionManager:
             and scorers[0].graph_safe
         )
 
-    def _device_pass(self, step: _Step, packed: Tensor, staging: Tensor) -> tuple[Tensor, Tensor]:
-        """The whole pass on the device, from the packed ints and the claimed staging
-        pages: what a graph captures. Returns ``(released pages, copies per request)``."""
-        columns, rows_raw, scores, plan = self._score_and_plan(step, packed, staging)
-        repack_kv_independent(
-            self.pool.k_buffers, self.pool.v_buffers, plan.src.reshape(-1), plan.dst.reshape(-1)
-        )
-        self._write(columns, rows_raw, plan, scores)
-        return plan.release, plan.move_counts()
-
-    def _score_and_plan(self, step: _Step, packed: Tensor, staging_flat: Tensor):
-        """``(columns, rows_raw, scores, plan)`` of a pass, on the device."""
-        tracer = tracing.tracer()
-        shape = step.shape
-        columns = unpack_columns(packed)
-        inputs = gather_inputs(
-            pool=self.pool,
-            positions_by_row=self.positions_by_row,
-            columns=columns,
-            width=shape.width,
-            lengths=step.lengths,
-            current_positions_host=step.current_positions,
-            use_pool_kernels=step.use_pool_kernels,
-            query_ring=self.query_ring if step.with_queries else None,
-            accumulated_by_row=self.accumulated_by_row,
-        )
-        view = inputs.view
-        with tracer.start_as_current_span(tracing.SPAN_SCORE):
-            scores, fell_back = score_rows_or_fall_back(step.scorers, view)
-            if fell_back:  # a kernel failed on this GPU: the torch forms from now on
-                self.use_pool_kernels = False
-            if self.score_reducer is not None:
-                scores = self.score_reducer(scores)
-        protected = protected_ranges_mask(
-            view.positions, view.valid, columns["lead_end"], columns["window_start"]
-        )
-        keep, nonfinite = select_keep(
-            scores, view.positions, view.valid, protected, columns["evicted"], shape.evicted
-        )
-        self.nonfinite_scores_device += nonfinite.sum()
-        staging, given = self._staging_layout(columns, staging_flat, shape)
-        with tracer.start_as_current_span(tracing.SPAN_PLAN):
-            plan_inputs = PlanInputs(
-                page_size=self.config.page_size,
-                rows=view.slots,
-                keep=keep,
-                positions=view.positions,
-                survivors=columns["survivors"],
-                frozen_len=columns["frozen_len"],
-                max_survivors=shape.survivors,
-                num_released=shape.released,
-                **{name: columns[name] for name in PAGE_COUNTS},
-            )
-            plan = (
-                plan_repack(plan_inputs, staging, given)
-                if step.strategy == "repack"
-                else plan_hole_fill(plan_inputs)
-            )
-        return columns, inputs.rows_raw, scores, plan
+    def _device_pass(self, step: PassStep, packed: Tensor, staging: Tensor):
+        """``pass_device.device_pass`` on this manager: what a replayed pass runs."""
+        return device_pass(self, step, packed, staging)
 
     def _claim_staging(self, total: int) -> Tensor | None:
         """The repack staging pages the allocator hands out (None: none needed)."""
@@ -683,20 +606,6 @@ class EvictionManager:
         if claimed is None:  # batch_strategy checked the free count; raced by nothing here
             raise RuntimeError(f"the allocator could not give {total} staging pages")
         return claimed
-
-    def _staging_layout(self, columns, staging_flat: Tensor, shape: PassShape):
-        """``(staging [R, U], given [R, U])``: the claimed staging pages laid out per
-        request (``staging_flat``: all of them, padded to ``shape.staging_total``)."""
-        R, U = shape.requests, shape.staging_width
-        if shape.staging_total == 0:
-            empty = torch.zeros(R, 0, dtype=torch.int64, device=self.device)
-            return empty, empty.bool()
-        column = arange(U, self.device).unsqueeze(0)
-        given = column < columns["staging"].unsqueeze(1)
-        starts = columns["staging_base"].unsqueeze(1)
-        index = torch.where(given, starts + column, shape.staging_total)
-        padded = torch.cat([staging_flat.to(torch.int64), staging_flat.new_zeros(1)])
-        return padded[index], given
 
     def _move(self, plan: BatchPlan, counts: list[PassCounts], claim: LeaseClaim | None) -> Tensor:
         """Move the slots; returns the copies per request (``[R]``, on the device for
@@ -728,23 +637,6 @@ class EvictionManager:
             )
             repack_kv_independent(self.pool.k_buffers, self.pool.v_buffers, src, dst)
         return torch.tensor([p.num_moves for p in host_plans], dtype=torch.int64)
-
-    def _write(self, columns, rows_raw: Tensor, plan: BatchPlan, scores: Tensor) -> None:
-        """Rows, positions, carried scores and offsets on the device (no host wait).
-        Padded requests repeat request 0's writes (``alias``): same index, same values.
-        Nothing here can refuse: it matches what moved."""
-        width = plan.new_row.shape[1]
-        rows, alias = columns["row"], columns["alias"]
-        new_rows = torch.where(plan.live, plan.new_row, rows_raw[:, :width])
-        self.pool.write_rows(rows, new_rows.index_select(0, alias))
-        table_index = (rows.unsqueeze(1), arange(width, self.device).unsqueeze(0))
-        new_positions = plan.new_positions.index_select(0, alias)
-        self.positions_by_row.index_put_(table_index, new_positions.to(torch.int32))
-        if self.accumulated_by_row is not None:  # each survivor's score moves with it
-            content = plan.content.clamp(max=scores.shape[1] - 1)
-            carried = scores.gather(1, content).index_select(0, alias)
-            self.accumulated_by_row.index_put_(table_index, carried)
-        self.offsets_by_row.index_put_((rows,), columns["offset_after"])
 
     def _commit_states(self, work) -> None:
         """Each request's host state after its pass."""
