@@ -29,7 +29,18 @@ TOP_LEVEL = (
 )
 # Flags of other programs the pages quote, by program.
 EXTERNAL_FLAGS = {
-    "pip": {"--no-deps", "--dry-run", "--no-index", "--target", "--upgrade"},
+    "pip": {
+        "--no-deps",
+        "--dry-run",
+        "--no-index",
+        "--target",
+        "--upgrade",
+        # pip download, fetching wheels for the GPU machine (development.md)
+        "--only-binary",
+        "--python-version",
+        "--implementation",
+        "--platform",
+    },
     "python -m venv": {"--system-site-packages"},
     "helm": {"--create-namespace"},
     "pytest": {"--strict-markers", "--dist"},
