@@ -67,25 +67,25 @@ def leased_sidecar(tmp_path, redis_url: str, *extra: str):
 def slow_scoring(manager, delay_s: float) -> None:
     """Every scorer of ``manager`` takes ``delay_s`` longer (a large pass on a busy
     host): wraps the batched scoring the pass calls."""
-    import sglang_evict.evictor as evictor
+    import sglang_evict.pass_device as pass_device
 
-    original = evictor.score_rows_or_fall_back
+    original = pass_device.score_rows_or_fall_back
 
     def slow(*args, **kwargs):
         time.sleep(delay_s)
         return original(*args, **kwargs)
 
-    manager._slow_scoring = (evictor, original)
-    evictor.score_rows_or_fall_back = slow
+    manager._slow_scoring = (pass_device, original)
+    pass_device.score_rows_or_fall_back = slow
 
 
 @pytest.fixture
 def restore_scoring():
-    import sglang_evict.evictor as evictor
+    import sglang_evict.pass_device as pass_device
 
-    original = evictor.score_rows_or_fall_back
+    original = pass_device.score_rows_or_fall_back
     yield
-    evictor.score_rows_or_fall_back = original
+    pass_device.score_rows_or_fall_back = original
 
 
 def test_a_pass_slower_than_its_lease_commits_in_process(model, restore_scoring):
