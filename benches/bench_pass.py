@@ -129,14 +129,27 @@ def previous_pass(pool, config, scorer, req_pool_idx, kv_len):
 
 class CountOps(TorchDispatchMode):
     """Counts dispatched tensor operations that compute (views excluded: on a GPU they
-    launch nothing)."""
+    launch nothing), except inside a function wrapped by ``outside_of`` (a replayed
+    pass's device body: one launch on a GPU)."""
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.count, self.inside = 0, 0
+
+    def outside_of(self, function):
+        """``function``, its own operations left uncounted."""
+
+        def wrapped(*args, **kwargs):
+            self.inside += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.inside -= 1
+
+        return wrapped
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
+        if not self.inside and not func.is_view:
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -217,19 +230,6 @@ def time_batched(args, config, pool, kv_len, num_requests, count_ops=False):
     return elapsed, done, (counter.count if counter else None)
 
 
-class CountOutside(TorchDispatchMode):
-    """``CountOps`` outside a replayed pass's device body (``inside`` > 0: in it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count, self.inside = 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.inside and not func.is_view:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def replay_manager(args, config, pool, kv_len, num_requests, replayed: bool):
     """A manager kept across passes (its graphs live as long as it does): replayed,
     or the static-shape pass run eagerly."""
@@ -254,17 +254,8 @@ def time_replay_point(args, budget, num_requests, replayed: bool):
     operations the last pass dispatched outside its device body."""
     config, pool, kv_len = setup(args, budget, num_requests)
     manager = replay_manager(args, config, pool, kv_len, num_requests, replayed)
-    counter = CountOutside()
-    body = manager._device_pass
-
-    def counted(*inputs):
-        counter.inside += 1
-        try:
-            return body(*inputs)
-        finally:
-            counter.inside -= 1
-
-    manager._device_pass = counted
+    counter = CountOps()
+    manager._device_pass = counter.outside_of(manager._device_pass)
     due = [
         DueRequest(f"r{r}", r, kv_len, PROMPT_TOKENS, PROMPT_TOKENS) for r in range(num_requests)
     ]

@@ -9,12 +9,13 @@ bit for bit, after every pass; the invariants hold after every pass too."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang_evict.batch_pass.counts import ceil_div
 from sglang_evict.batch_pass.shapes import ladder_bucket, pass_shape, power_of_two_bucket
@@ -27,6 +28,20 @@ from sglang_evict.tensor_pool import TensorPool
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 4
 SINKS, WINDOW = 4, 8
 CAPACITY = 512  # row capacity (tokens)
+
+
+def small_config(**fields) -> EvictionConfig:
+    """Budget 64, cadence 16, page 16, knorm, the module's sinks and window; ``fields``
+    override them."""
+    defaults = dict(
+        kv_budget_tokens=64,
+        cadence_tokens=16,
+        sink_tokens=SINKS,
+        window_tokens=WINDOW,
+        page_size=16,
+        scorer="knorm",
+    )
+    return EvictionConfig(**{**defaults, **fields})
 
 
 def make_pool(page_size: int, rows: int, seed: int, device: str = "cpu") -> TensorPool:
@@ -213,18 +228,13 @@ def test_a_padded_shape_covers_the_exact_one_and_stays_in_the_row():
     assert exact.released <= padded.released
 
 
-class OpsOutsideTheReplay(TorchDispatchMode):
-    """Counts dispatched tensor operations (views left out: they launch nothing)
-    outside the pass's device body, which a CUDA graph replays as one launch."""
-
-    def __init__(self):
-        super().__init__()
-        self.count, self.inside = 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.inside and not func.is_view:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+def count_ops():
+    """``benches/bench_pass.py``'s operation counter (one definition of what counts)."""
+    path = Path(__file__).resolve().parents[1] / "benches" / "bench_pass.py"
+    spec = importlib.util.spec_from_file_location("bench_pass", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CountOps()
 
 
 @pytest.mark.parametrize("compaction", ["hole_fill", "repack"])
@@ -239,14 +249,8 @@ def test_replayed_passes_equal_eager_ones_and_dispatch_little_outside_the_replay
     operations (the copy into the static buffer, the staging copy, the clones, the
     allocator hand-over)."""
     page_size, rows = 16, 3
-    config = EvictionConfig(
-        kv_budget_tokens=96,
-        cadence_tokens=32,
-        sink_tokens=SINKS,
-        window_tokens=WINDOW,
-        page_size=page_size,
-        compaction=compaction,
-        scorer=scorer,
+    config = small_config(
+        kv_budget_tokens=96, cadence_tokens=32, compaction=compaction, scorer=scorer
     )
     eager_pool = make_pool(page_size, rows, seed=7)
     for r in range(rows):
@@ -255,18 +259,8 @@ def test_replayed_passes_equal_eager_ones_and_dispatch_little_outside_the_replay
     eager = manager_for(eager_pool, config, static=True)
     replayed = manager_for(replay_pool, config, static=True)
     replayed.graphs = PassGraphs(torch.device("cpu"))
-    body = replayed._device_pass
-
-    counter = OpsOutsideTheReplay()
-
-    def counted_body(*args):
-        counter.inside += 1
-        try:
-            return body(*args)
-        finally:
-            counter.inside -= 1
-
-    replayed._device_pass = counted_body
+    counter = count_ops()
+    replayed._device_pass = counter.outside_of(replayed._device_pass)
     lengths = {r: 128 + 8 * r for r in range(rows)}
     outside = []
     for _ in range(4):
@@ -297,14 +291,7 @@ def test_a_capture_that_fails_leaves_its_shape_eager_and_the_pass_committed(monk
     """A capture raising (a CUDA error, an operation graphs refuse) comes after the
     shape's first pass ran: that pass commits, and later passes of the shape run
     eagerly, counted as misses; the outcome equals eager passes throughout."""
-    config = EvictionConfig(
-        kv_budget_tokens=64,
-        cadence_tokens=16,
-        sink_tokens=SINKS,
-        window_tokens=WINDOW,
-        page_size=16,
-        scorer="knorm",
-    )
+    config = small_config()
     eager_pool = make_pool(16, 2, seed=11)
     for r in range(2):
         append_tokens(eager_pool, r, 0, 80)
@@ -334,14 +321,7 @@ def test_a_capture_that_fails_leaves_its_shape_eager_and_the_pass_committed(monk
 def test_passes_that_cannot_be_replayed_run_eagerly_and_are_counted():
     """Mixed scorers in one pass, or a scorer that draws on the host (``random``): the
     pass runs eagerly, the same as without graphs, and counts as a miss."""
-    config = EvictionConfig(
-        kv_budget_tokens=64,
-        cadence_tokens=16,
-        sink_tokens=SINKS,
-        window_tokens=WINDOW,
-        page_size=16,
-        scorer="knorm",
-    )
+    config = small_config()
     pool = make_pool(16, 2, seed=3)
     for r in range(2):
         append_tokens(pool, r, 0, 100)
@@ -367,14 +347,8 @@ def test_cuda_graph_replays_equal_eager_passes_on_a_gpu(compaction, scorer):
     import time
 
     page_size, rows, steps = 16, 8, 6
-    config = EvictionConfig(
-        kv_budget_tokens=96,
-        cadence_tokens=32,
-        sink_tokens=SINKS,
-        window_tokens=WINDOW,
-        page_size=page_size,
-        compaction=compaction,
-        scorer=scorer,
+    config = small_config(
+        kv_budget_tokens=96, cadence_tokens=32, compaction=compaction, scorer=scorer
     )
     eager_config = dataclasses.replace(config, pass_cuda_graph=False)
     eager_pool = make_pool(page_size, rows, seed=5, device="cuda")

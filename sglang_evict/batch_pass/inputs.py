@@ -8,6 +8,7 @@ request-to-token pool and the positions table (``gather_inputs``). Nothing is re
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,7 @@ def host_columns(
     ``shape.requests`` long. Requests past the due ones are padding: no entry, nothing
     kept, moved or released, and request 0's row, offset and writes (``alias``), so
     their writes repeat request 0's exactly (``shapes`` module docstring)."""
-    staging_base = [sum(staging_counts[:i]) for i in range(len(staging_counts))]
+    staging_base = [0, *itertools.accumulate(staging_counts)][:-1]  # where each starts
     values = [
         (
             row,
