@@ -16,6 +16,13 @@ host process (``sglang_evict.srt.engine_runner``):
             (--no-kv-pass-cuda-graph), so --modes off,on:1,on:1+graph,on:auto+graph
             compares eager, replayed and auto-grouped passes in one run
 
+``--paired`` adds, inside every ``on`` mode's engine, the same generation with every
+request turning eviction off for itself (``custom_params`` ``{"enabled": false}``,
+the server started with ``request_allow_disable``), alternating with the evicting
+generations (off, on, on, off, off, on, ...): the ratio "paired" compares the two in
+one engine, so differences between engine instances (memory layout, clocks, a machine
+that drifts over a run) do not enter it.
+
 Decode step time is read off SGLang's own decode log line, written after every step
 (``decode_log_interval=1``): ``gen throughput`` is the tokens generated since the last
 line over the time since it, so one step of N running requests took N / throughput.
@@ -152,7 +159,11 @@ def policy_for(args: argparse.Namespace, mode: str) -> dict | None:
         "window_tokens": args.window,
         "pass_group_steps": group_steps(args, mode),
         "pass_cuda_graph": mode.endswith("+graph"),
+        "request_allow_disable": bool(args.paired) and mode.startswith("on"),
     }
+
+
+PAIRED_OFF = {"custom_params": {"sglang_evict": {"enabled": False}}}
 
 
 def run_mode(args: argparse.Namespace, mode: str, log_dir: Path) -> dict:
@@ -167,44 +178,68 @@ def run_mode(args: argparse.Namespace, mode: str, log_dir: Path) -> dict:
         info = e.server_info()
         warm = [[(7 * i + j) % (vocab - 3) + 3 for j in range(32)] for i in range(args.batch)]
         e.generate(warm, {"max_new_tokens": 16, "ignore_eos": True})  # compiles, captures
-        repeats, outputs = [], None
-        for _ in range(args.repeats):
-            e.flush_cache()  # every repeat prefills its prompts afresh
-            mark = e.mark()
-            start = time.perf_counter()
-            outputs = e.generate(prompts, sampling)
-            wall_s = time.perf_counter() - start
-            log = e.log_since(mark)
-            steps = decode_step_ms(log, args.batch)
-            group = group_steps(args, mode)
-            passes = parse_passes(log, 1 if group == "auto" else group)
-            repeats.append(
-                {
-                    "wall_s": wall_s,
-                    "tokens_per_s": sum(len(o["output_ids"]) for o in outputs) / wall_s,
-                    "steps": len(steps),
-                    "step_ms_mean": statistics.fmean(steps) if steps else float("nan"),
-                    "step_ms_p50": statistics.median(steps) if steps else float("nan"),
-                    "step_ms_p99": _percentile(steps, 0.99),
-                    "peak_tokens": peak_tokens(log),
-                    **passes,
-                }
-            )
+        repeats, outputs, paired = [], None, []
+        group = group_steps(args, mode)
+        paired_run = bool(args.paired) and mode.startswith("on")
+        for repeat in range(args.repeats):
+            # paired: off first on even repeats, last on odd ones (order cancels out)
+            order = ["off", "mode"] if repeat % 2 == 0 else ["mode", "off"]
+            for which in order if paired_run else ["mode"]:
+                extra = PAIRED_OFF if which == "off" else {}
+                e.flush_cache()  # every repeat prefills its prompts afresh
+                mark = e.mark()
+                start = time.perf_counter()
+                generated = e.generate(prompts, {**sampling, **extra})
+                wall_s = time.perf_counter() - start
+                log = e.log_since(mark)
+                record = measure(generated, wall_s, log, args.batch, group)
+                if which == "off":
+                    paired.append(record)
+                else:
+                    repeats.append(record)
+                    outputs = generated
         state = e.plugin_state()
-    summary = {
-        key: statistics.median(r[key] for r in repeats)
-        for key in repeats[0]
-        if isinstance(repeats[0][key], (int, float))
-    }
+    summary = medians(repeats)
+    if paired:
+        off = medians(paired)
+        summary["paired_off_step_ms_mean"] = off["step_ms_mean"]
+        summary["paired_step_ratio"] = statistics.median(
+            on["step_ms_mean"] / o["step_ms_mean"] for on, o in zip(repeats, paired, strict=True)
+        )
     return {
         "mode": mode,
         "pass_group_steps": None if mode == "plain" else group_steps(args, mode),
         "attention_backend": info.get("attention_backend"),
         "max_total_num_tokens": info.get("max_total_num_tokens"),
         "repeats": repeats,
+        "paired_off_repeats": paired,
         "summary": summary,
         "output_ids": [o["output_ids"] for o in outputs],
         "plugin": state,
+    }
+
+
+def measure(outputs: list[dict], wall_s: float, log: str, batch: int, group) -> dict:
+    """One generation's figures, from its outputs, wall time and log."""
+    steps = decode_step_ms(log, batch)
+    return {
+        "wall_s": wall_s,
+        "tokens_per_s": sum(len(o["output_ids"]) for o in outputs) / wall_s,
+        "steps": len(steps),
+        "step_ms_mean": statistics.fmean(steps) if steps else float("nan"),
+        "step_ms_p50": statistics.median(steps) if steps else float("nan"),
+        "step_ms_p99": _percentile(steps, 0.99),
+        "peak_tokens": peak_tokens(log),
+        **parse_passes(log, 1 if group == "auto" else group),
+    }
+
+
+def medians(records: list[dict]) -> dict:
+    """The median of each numeric figure over ``records``."""
+    return {
+        key: statistics.median(r[key] for r in records)
+        for key in records[0]
+        if isinstance(records[0][key], (int, float))
     }
 
 
@@ -252,6 +287,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--compaction", default="hole_fill", choices=["hole_fill", "repack"])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="in each on mode's engine, also generate with eviction off per request, "
+        "alternating (module docstring)",
+    )
     parser.add_argument("--cuda-graph", choices=["off", "default"], default="default")
     parser.add_argument("--no-overlap", action="store_true", help="overlap scheduler off")
     parser.add_argument("--attention-backend", default="triton")
@@ -316,6 +357,12 @@ def main(argv=None) -> int:
             group = f"auto, chose {chosen.get('pass_group_steps')}"
         print(
             f"decode step time, eviction {mode} (group {group}) / off: {ratio:.3f} (goal <= 1.03)"
+        )
+    for mode in (m for m in modes if "paired_step_ratio" in summaries[m]):
+        print(
+            f"decode step time, eviction {mode} / eviction off per request, same engine, "
+            f"alternating (median of {args.repeats} pairs): "
+            f"{summaries[mode]['paired_step_ratio']:.3f} (goal <= 1.03)"
         )
     if "off" in summaries and "plain" in summaries:
         ratio = summaries["off"]["step_ms_mean"] / summaries["plain"]["step_ms_mean"]

@@ -76,12 +76,12 @@ protected ranges the host counts rely on (``batch_pass.counts``) are held in ful
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -95,7 +95,7 @@ from sglang_evict.batch_pass import (
     batch_strategy,
     pass_counts,
 )
-from sglang_evict.batch_pass.counts import frozen_length, leading_end
+from sglang_evict.batch_pass.counts import BatchCounts, frozen_length, leading_end
 from sglang_evict.batch_pass.inputs import host_columns
 from sglang_evict.batch_pass.shapes import pass_shape
 from sglang_evict.config import EvictionConfig
@@ -115,6 +115,13 @@ from sglang_evict.pass_state import (
     KVPoolAccess,
     PassResult,
     RequestState,
+)
+from sglang_evict.pass_work import (
+    PassWork,
+    check_rows,
+    commit_states,
+    pass_results,
+    pass_work,
 )
 from sglang_evict.query_capture import QueryRing
 from sglang_evict.request_policy import RequestLimits, RequestPolicy, default_policy
@@ -411,33 +418,26 @@ class EvictionManager:
         only when nothing moved: the requests keep their full KV. Once slots may have
         moved, the pass always commits (module docstring)."""
         start = time.perf_counter()
-        due = [d if d.policy else dataclasses.replace(d, policy=self.default_policy) for d in due]
-        work = [
-            (d, self.counts(d.rid, d.kv_len, d.num_shared, d.prompt_len, d.policy)) for d in due
-        ]
-        work = [(d, c) for d, c in work if c.tokens_evicted > 0]
-        for d, _ in work:
-            if not 0 <= d.req_pool_idx < self.num_request_rows:
-                raise ValueError(
-                    f"req_pool_idx {d.req_pool_idx} outside the request pool "
-                    f"[0, {self.num_request_rows})"
-                )
-            if d.kv_len > self.row_capacity:
-                raise ValueError(f"kv_len {d.kv_len} exceeds the row capacity {self.row_capacity}")
-        if not work:
+        if not due:
             return []
-        readers = sorted(
-            {d.policy.scorer for d, _ in work if self.scorer_for(d.policy.scorer).needs_queries}
-        )
+        work = pass_work(due, self.states, self.default_policy, self.config)
+        evicting = work.counts.tokens_evicted > 0
+        if not evicting.all():
+            work = work.take(np.flatnonzero(evicting).tolist())
+        if not work.due:
+            return []
+        due, policies, counts = work.due, work.policies, work.counts
+        check_rows(work, self.num_request_rows, self.row_capacity)
+        names = sorted({p.scorer for p in policies})
+        readers = [name for name in names if self.scorer_for(name).needs_queries]
         if readers and self.query_ring is None:
             raise ValueError(
                 f"scorer {readers[0]!r} needs the requests' captured queries, but no "
                 f"query ring is attached; query capture must run in the attention"
             )
         with tracing.tracer().start_as_current_span(tracing.SPAN_PASS) as span:
-            span.set_attribute(tracing.ATTR_REQUESTS, len(work))
-            span.set_attribute(tracing.ATTR_TOKENS_BEFORE, sum(c.kv_len for _, c in work))
-            names = sorted({d.policy.scorer for d, _ in work})
+            span.set_attribute(tracing.ATTR_REQUESTS, len(due))
+            span.set_attribute(tracing.ATTR_TOKENS_BEFORE, int(counts.kv_len.sum()))
             span.set_attribute(tracing.ATTR_SCORER, ",".join(names))
             try:
                 self.lease.check_up()
@@ -445,16 +445,17 @@ class EvictionManager:
             except BaseException as error:
                 span.set_attribute(tracing.ATTR_OUTCOME, f"failed: {type(error).__name__}")
                 if isinstance(error, Exception):
-                    self._note_failure([d.rid for d, _ in work], error)
+                    self._note_failure([d.rid for d in due], error)
                 raise
-            self.failures.succeeded(d.rid for d, _ in work)
+            self.failures.succeeded(d.rid for d in due)
             if self.group_choice is not None:
                 spent = time.perf_counter() - start
-                self.group_choice.note_pass(spent)
-                self._pass_s_since_step += spent
+                if not work.captured:  # a capture is a one-off cost, not a pass's
+                    self.group_choice.note_pass(spent)
+                self._pass_s_since_step += spent  # never a decode step's time
             span.set_attribute(tracing.ATTR_OUTCOME, "committed")
-            span.set_attribute(tracing.ATTR_TOKENS_AFTER, sum(r.tokens_after for r in results))
-            span.set_attribute(tracing.ATTR_PAGES_FREED, sum(r.pages_freed for r in results))
+            span.set_attribute(tracing.ATTR_TOKENS_AFTER, int(counts.survivors.sum()))
+            span.set_attribute(tracing.ATTR_PAGES_FREED, int(counts.pages_freed.sum()))
             span.set_attribute(tracing.ATTR_STRATEGY, results[0].strategy)
         return results
 
@@ -486,13 +487,17 @@ class EvictionManager:
 
     # --- the pass --------------------------------------------------------------------
 
-    def _run(self, work, start: float, span) -> list[PassResult]:
-        counts = [c for _, c in work]
+    def _run(self, work: PassWork, start: float, span) -> list[PassResult]:
+        counts = work.counts
         strategy, staging_counts = batch_strategy(
             self.config.compaction, counts, self.pool.available_pages
         )
         use = self.use_pool_kernels
-        scorers = [self.scorer_for(d.policy.scorer) for d, _ in work]
+        by_name = {}
+        scorers = [
+            by_name.get(p.scorer) or by_name.setdefault(p.scorer, self.scorer_for(p.scorer))
+            for p in work.policies
+        ]
         graphable = self._graphable(scorers)
         shape = pass_shape(
             counts,
@@ -501,30 +506,32 @@ class EvictionManager:
             row_capacity=self.row_capacity,
             static=self.static_shapes or graphable,
         )
-        pad = shape.requests - len(work)
+        pad = shape.requests - len(counts)
         step = PassStep(
             shape=shape,
             strategy=strategy,
             scorers=tuple(scorers) + (scorers[0],) * pad,
             use_pool_kernels=self.device.type == "cuda" if use is None else use,
             with_queries=any(s.needs_queries for s in scorers),
-            lengths=tuple(c.kv_len for c in counts) + (0,) * pad,
-            current_positions=tuple(c.next_position for c in counts) + (0,) * pad,
+            lengths=tuple(counts.kv_len.tolist()) + (0,) * pad,
+            current_positions=tuple(counts.next_position.tolist()) + (0,) * pad,
         )
         packed = host_columns(
-            row_of_request=[d.req_pool_idx for d, _ in work],
-            compacted_lens=[getattr(self.states.get(d.rid), "compacted_len", 0) for d, _ in work],
+            row_of_request=work.rows,
+            compacted_lens=work.compacted_lens,
             counts=counts,
             staging_counts=staging_counts,
             shape=shape,
         )
-        num_released = sum(c.pages_freed for c in counts) + sum(staging_counts)
-        claimed = self._claim_staging(sum(staging_counts))
+        total_staging = int(staging_counts.sum())
+        num_released = int(counts.pages_freed.sum()) + total_staging
+        claimed = self._claim_staging(total_staging)
         try:
             if graphable:
                 key = PassKey(
                     shape, scorers[0].name, strategy, step.use_pool_kernels, step.with_queries
                 )
+                work.captured = self.graphs.will_capture(key)
                 lease = self.lease.acquire()  # the replay holds the moves
                 if lease is not None:
                     span.set_attribute(tracing.ATTR_FENCING_TOKEN, lease.token)
@@ -561,25 +568,9 @@ class EvictionManager:
                 commit_writes(self, *written)
                 release = written[2].release
             self.pool.release_pages(release[:num_released])
-            self._commit_states(work)
+            commit_states(self.states, work)
         duration_s = time.perf_counter() - start
-        return [
-            PassResult(
-                rid=d.rid,
-                tokens_before=c.kv_len,
-                tokens_after=c.survivors,
-                pages_freed=c.pages_freed,
-                strategy=strategy,
-                protected_over_budget=c.protected_over_budget,
-                duration_s=duration_s,
-                batch_slot_copies=copies,
-                batch_index=i,
-                bytes_per_slot=self.bytes_per_slot,
-                scorer=scorer.name,
-                budget_tokens=c.budget,
-            )
-            for i, ((d, c), scorer) in enumerate(zip(work, scorers, strict=True))
-        ]
+        return pass_results(work, scorers, strategy, copies, duration_s, self.bytes_per_slot)
 
     def _graphable(self, scorers: list[Scorer]) -> bool:
         """Whether this pass is replayed as a CUDA graph (``sglang_evict.pass_graphs``):
@@ -607,7 +598,7 @@ class EvictionManager:
             raise RuntimeError(f"the allocator could not give {total} staging pages")
         return claimed
 
-    def _move(self, plan: BatchPlan, counts: list[PassCounts], claim: LeaseClaim | None) -> Tensor:
+    def _move(self, plan: BatchPlan, counts: BatchCounts, claim: LeaseClaim | None) -> Tensor:
         """Move the slots; returns the copies per request (``[R]``, on the device for
         in-process moves). Raises only when nothing moved. In-process the moves follow
         the lease's grant at once, in this process: no fencing check can fail between
@@ -616,9 +607,7 @@ class EvictionManager:
         if self.compactor is None:
             repack_kv_independent(self.pool.k_buffers, self.pool.v_buffers, src, dst)
             return plan.move_counts()
-        host_plans = plan.to_host_plans(
-            [c.survivors for c in counts], [c.frozen_len for c in counts]
-        )
+        host_plans = plan.to_host_plans(counts.survivors.tolist(), counts.frozen_len.tolist())
         try:
             self.compactor.compact(host_plans, claim)
         except Exception as error:
@@ -637,22 +626,6 @@ class EvictionManager:
             )
             repack_kv_independent(self.pool.k_buffers, self.pool.v_buffers, src, dst)
         return torch.tensor([p.num_moves for p in host_plans], dtype=torch.int64)
-
-    def _commit_states(self, work) -> None:
-        """Each request's host state after its pass."""
-        for d, c in work:
-            previous = self.states.get(d.rid)
-            self.states[d.rid] = RequestState(
-                req_pool_idx=d.req_pool_idx,
-                compacted_len=c.survivors,
-                position_offset=c.next_position - c.survivors,
-                num_shared=d.num_shared,
-                prompt_len=d.prompt_len,
-                num_passes=(previous.num_passes if previous else 0) + 1,
-                tokens_evicted=(previous.tokens_evicted if previous else 0) + c.tokens_evicted,
-                policy=d.policy,
-                peak_kv_tokens=max(previous.peak_kv_tokens if previous else 0, c.kv_len),
-            )
 
     # --- invariants ------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -94,12 +95,16 @@ class PassGraphs:
             "graph_pool_mib": round(self.graph_pool_bytes / 2**20, 3),
         }
 
+    def will_capture(self, key: PassKey) -> bool:
+        """Whether a pass of ``key`` run now is its first (eager, then captured)."""
+        return key not in self.entries and len(self.entries) < self.max_graphs
+
     def miss(self) -> None:
         """Count a pass that ran eagerly although graphs are on."""
         self.misses += 1
 
     def run(
-        self, key: PassKey, packed_host: list[int], claimed: Tensor | None, body: Body
+        self, key: PassKey, packed_host: np.ndarray, claimed: Tensor | None, body: Body
     ) -> tuple[Tensor, Tensor]:
         """``body(packed, claimed)``'s ``(released pages, copies per request)``, replayed
         when ``key`` was captured; the first pass of a key runs eagerly and captures it.
@@ -146,7 +151,7 @@ class PassGraphs:
         return self.device.type == "cuda"
 
     def _eager_inputs(self, key, packed_host, claimed) -> tuple[Tensor, Tensor]:
-        packed = torch.tensor(packed_host, dtype=torch.int64)
+        packed = torch.from_numpy(packed_host)
         if self.on_cuda:
             packed = packed.pin_memory().to(self.device, non_blocking=True)
         padded = torch.zeros(key.shape.staging_total, dtype=torch.int64, device=self.device)
@@ -163,7 +168,7 @@ class PassGraphs:
             claimed=torch.zeros(key.shape.staging_total, dtype=torch.int64, device=self.device),
         )
 
-    def _fill(self, entry: _Captured, packed_host: list[int], claimed: Tensor | None) -> None:
+    def _fill(self, entry: _Captured, packed_host: np.ndarray, claimed: Tensor | None) -> None:
         if entry.copied is not None:
             entry.copied.synchronize()  # the last copy out of the pinned buffer is done
         entry.pinned.numpy()[:] = packed_host  # host memory: no tensor operation

@@ -192,7 +192,9 @@ def test_pass_memory_bench_runs_its_smoke_configuration_on_cpu():
 def test_engine_step_time_bench_runs_its_smoke_configuration_in_the_cpu_engine(tmp_path):
     """``engine_eviction.py --smoke`` (SGLang's CPU engine, the project's model; the GPU
     run is the real one): passes run, on every 4th decode step only (mode ``on:4``:
-    ``--kv-pass-group-steps 4``), step times are read, the JSON is written."""
+    ``--kv-pass-group-steps 4``), step times are read, the JSON is written; ``--paired``
+    generates again in the same engine with eviction off per request: no pass there,
+    and more KV held."""
     out = tmp_path / "ee.json"
     result = subprocess.run(
         [
@@ -200,6 +202,7 @@ def test_engine_step_time_bench_runs_its_smoke_configuration_in_the_cpu_engine(t
             str(BENCHES / "engine_eviction.py"),
             "--smoke",
             "--modes", "on:4",
+            "--paired",
             "--out", str(out),
         ],
         capture_output=True,
@@ -214,6 +217,10 @@ def test_engine_step_time_bench_runs_its_smoke_configuration_in_the_cpu_engine(t
     assert summary["pass_steps"] > 0 and summary["pages_freed"] > 0
     assert summary["pass_host_ms_per_request"] > 0  # the pass lines carry duration_ms
     assert summary["passes_off_group"] == 0
+    (off,) = result["paired_off_repeats"]
+    assert off["steps"] > 0 and off["pass_steps"] == 0
+    assert off["peak_tokens"] > summary["peak_tokens"]  # the evicting run held less KV
+    assert summary["paired_step_ratio"] > 0
 
 
 def test_router_bench_refuses_a_workload_without_follow_ups():

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -202,25 +203,23 @@ def test_buckets_are_the_ladder_and_cover_their_content():
 
 
 def test_a_padded_shape_covers_the_exact_one_and_stays_in_the_row():
-    from sglang_evict.batch_pass.counts import pass_counts
+    from sglang_evict.batch_pass.counts import batch_pass_counts
 
-    counts = [
-        pass_counts(
-            kv_len=n,
-            position_offset=0,
-            num_shared=0,
-            prompt_len=0,
-            page_size=16,
-            budget=100,
-            sink_tokens=4,
-            protected_tokens=0,
-            window_tokens=8,
-            evict_prompt=True,
-        )
-        for n in (130, 300, 501)
-    ]
-    exact = pass_shape(counts, [0, 0, 0], page_size=16, row_capacity=510, static=False)
-    padded = pass_shape(counts, [0, 0, 0], page_size=16, row_capacity=510, static=True)
+    zeros = np.zeros(3, dtype=np.int64)
+    counts = batch_pass_counts(
+        kv_len=np.array([130, 300, 501]),
+        position_offset=zeros,
+        num_shared=zeros,
+        prompt_len=zeros,
+        budget=np.full(3, 100),
+        page_size=16,
+        sink_tokens=4,
+        protected_tokens=0,
+        window_tokens=8,
+        evict_prompt=True,
+    )
+    exact = pass_shape(counts, zeros, page_size=16, row_capacity=510, static=False)
+    padded = pass_shape(counts, zeros, page_size=16, row_capacity=510, static=True)
     assert exact.width == 510 and padded.width == 510  # capped by the row capacity
     assert padded.requests == 4 and exact.requests == 3
     for field in ("survivors", "evicted"):

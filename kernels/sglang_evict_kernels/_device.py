@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -23,7 +24,10 @@ _MAX_CACHED_TABLES = 64  # distinct buffer sets; a server has one pool (K, V, bo
 
 def device_int64(values: Sequence[int], device: torch.device | str) -> Tensor:
     """int64 tensor of ``values`` on ``device``; on CUDA, copied without a host wait."""
-    host = torch.tensor(list(values), dtype=torch.int64)
+    if hasattr(values, "__array__"):  # a numpy array: no Python int per value
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+    else:
+        host = torch.tensor(list(values), dtype=torch.int64)
     if torch.device(device).type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)

@@ -45,7 +45,9 @@ a pass per step evicting one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+import numpy as np
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -194,13 +196,115 @@ def page_counts(*, kv_len: int, survivors: int, frozen_len: int, page_size: int)
     )
 
 
+@dataclass(frozen=True)
+class BatchCounts:
+    """``PassCounts`` of every request of a pass at once: one int64 numpy array per
+    field (``page_size`` is the server's). ``batch_pass_counts`` computes it with the
+    arithmetic of ``pass_counts``, a few array operations for the whole batch, so the
+    pass's host time does not grow by a Python object per due request."""
+
+    kv_len: np.ndarray
+    next_position: np.ndarray
+    lead_end: np.ndarray
+    window_start: np.ndarray
+    frozen_len: np.ndarray
+    num_protected: np.ndarray
+    survivors: np.ndarray
+    pages_before: np.ndarray
+    pages_after: np.ndarray
+    budget: np.ndarray
+    page_size: int
+
+    def __len__(self) -> int:
+        return len(self.kv_len)
+
+    @property
+    def tokens_evicted(self) -> np.ndarray:
+        return self.kv_len - self.survivors
+
+    @property
+    def pages_freed(self) -> np.ndarray:
+        return self.pages_before - self.pages_after
+
+    def take(self, index: np.ndarray) -> BatchCounts:
+        """The counts of the requests ``index`` selects (a boolean mask or indices)."""
+        arrays = {name: getattr(self, name)[index] for name in _ARRAYS}
+        return BatchCounts(**arrays, page_size=self.page_size)
+
+    def request(self, i: int) -> PassCounts:
+        """Request ``i``'s ``PassCounts``."""
+        values = {name: int(getattr(self, name)[i]) for name in _ARRAYS}
+        return PassCounts(**values, page_size=self.page_size)
+
+    def staging_pages(self, strategy: str) -> np.ndarray:
+        """``PassCounts.staging_pages`` of every request."""
+        if strategy != "repack" or self.page_size == 1:
+            return np.zeros(len(self), dtype=np.int64)
+        return ceil_div(self.survivors - self.frozen_len, self.page_size)
+
+    def page_counts(self) -> tuple[np.ndarray, ...]:
+        """``page_counts`` of every request, the arrays in ``PAGE_COUNTS`` order."""
+        frozen_pages = self.frozen_len // self.page_size
+        full_pages, partial_len = np.divmod(self.survivors - self.frozen_len, self.page_size)
+        return frozen_pages, self.pages_before, full_pages, partial_len, frozen_pages + full_pages
+
+
+_ARRAYS = tuple(f.name for f in fields(BatchCounts) if f.name != "page_size")
+
+
+def batch_pass_counts(
+    *,
+    kv_len: np.ndarray,
+    position_offset: np.ndarray,
+    num_shared: np.ndarray,
+    prompt_len: np.ndarray,
+    budget: np.ndarray,
+    page_size: int,
+    sink_tokens: int,
+    protected_tokens: int,
+    window_tokens: int,
+    evict_prompt: bool,
+) -> BatchCounts:
+    """``pass_counts`` of many requests (int64 arrays of one length; the config's ints
+    are the server's): the same values, request for request."""
+    if page_size < 1 or (len(kv_len) and (kv_len.min() < 0 or budget.min() < 0)):
+        raise ValueError(
+            f"kv_len {kv_len.tolist()}, page_size={page_size}, budget {budget.tolist()}: "
+            f"need kv_len >= 0, page_size >= 1, budget >= 0"
+        )
+    next_position = kv_len + position_offset
+    frozen_len = np.minimum(ceil_div(num_shared, page_size) * page_size, kv_len)
+    lead_end = np.maximum(frozen_len, sink_tokens + protected_tokens)
+    if not evict_prompt:
+        lead_end = np.maximum(lead_end, prompt_len)
+    lead = np.minimum(lead_end, next_position)
+    window_start = np.maximum(next_position - window_tokens, 0)
+    overlap = np.maximum(lead - window_start, 0)
+    num_protected = np.minimum(lead + (next_position - window_start) - overlap, kv_len)
+    survivors = np.minimum(kv_len, np.maximum(budget, num_protected))
+    return BatchCounts(
+        kv_len=kv_len,
+        next_position=next_position,
+        lead_end=lead_end,
+        window_start=window_start,
+        frozen_len=frozen_len,
+        num_protected=num_protected,
+        survivors=survivors,
+        pages_before=ceil_div(kv_len, page_size),
+        pages_after=ceil_div(survivors, page_size),
+        budget=budget,
+        page_size=page_size,
+    )
+
+
 def batch_strategy(
-    configured: str, counts: list[PassCounts], available_pages: Callable[[], int]
-) -> tuple[str, list[int]]:
+    configured: str, counts: BatchCounts, available_pages: Callable[[], int]
+) -> tuple[str, np.ndarray]:
     """The batch's strategy and staging pages per request: ``repack`` claims an upper
     bound of staging pages; when the allocator (its host-known free count,
     ``available_pages()``) is short, the whole batch fills holes instead."""
-    staging = [c.staging_pages(configured) for c in counts]
-    if sum(staging) and available_pages() < sum(staging):
-        return "hole_fill", [0] * len(counts)
+    staging = counts.staging_pages(configured)
+    total = int(staging.sum())
+    if total and available_pages() < total:
+        return "hole_fill", np.zeros(len(counts), dtype=np.int64)
     return configured, staging

@@ -8,13 +8,13 @@ request-to-token pool and the positions table (``gather_inputs``). Nothing is re
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from sglang_evict.batch_pass.counts import PAGE_COUNTS, PassCounts, page_counts
+from sglang_evict.batch_pass.counts import PAGE_COUNTS, BatchCounts
 from sglang_evict.batch_pass.indices import arange
 from sglang_evict.batch_pass.shapes import PassShape
 from sglang_evict.scorers.base import BatchKVView
@@ -51,47 +51,42 @@ class BatchInputs:
 
 def host_columns(
     *,
-    row_of_request: list[int],
-    compacted_lens: list[int],
-    counts: list[PassCounts],
-    staging_counts: list[int],
+    row_of_request: np.ndarray,
+    compacted_lens: np.ndarray,
+    counts: BatchCounts,
+    staging_counts: np.ndarray,
     shape: PassShape,
-) -> list[int]:
-    """The packed host ints of a pass: ``COLUMNS`` one after the other, each
+) -> np.ndarray:
+    """The packed host ints of a pass (int64): ``COLUMNS`` one after the other, each
     ``shape.requests`` long. Requests past the due ones are padding: no entry, nothing
     kept, moved or released, and request 0's row, offset and writes (``alias``), so
     their writes repeat request 0's exactly (``shapes`` module docstring)."""
-    staging_base = [0, *itertools.accumulate(staging_counts)][:-1]  # where each starts
-    values = [
-        (
-            row,
-            c.kv_len,
-            c.next_position - c.kv_len,
-            compacted,
-            c.lead_end,
-            c.window_start,
-            c.frozen_len,
-            c.survivors,
-            c.tokens_evicted,
-            c.next_position - c.survivors,
-            staging,
-            base,
-            index,
-            *page_counts(
-                kv_len=c.kv_len,
-                survivors=c.survivors,
-                frozen_len=c.frozen_len,
-                page_size=c.page_size,
-            ),
-        )
-        for index, (row, compacted, c, staging, base) in enumerate(
-            zip(row_of_request, compacted_lens, counts, staging_counts, staging_base, strict=True)
-        )
-    ]
-    first = values[0]
-    padding = (first[0], 0, 0, 0, 0, 0, 0, 0, 0, first[9], 0, 0, 0, *[0] * len(PAGE_COUNTS))
-    values += [padding] * (shape.requests - len(values))
-    return [v for column in zip(*values, strict=True) for v in column]
+    R, n = shape.requests, len(counts)
+    packed = np.zeros((len(COLUMNS), R), dtype=np.int64)  # padding: 0 but for 3 columns
+    staging_base = np.cumsum(staging_counts) - staging_counts  # where each one's start
+    offset_after = counts.next_position - counts.survivors
+    packed[:, :n] = (
+        row_of_request,
+        counts.kv_len,
+        counts.next_position - counts.kv_len,
+        compacted_lens,
+        counts.lead_end,
+        counts.window_start,
+        counts.frozen_len,
+        counts.survivors,
+        counts.tokens_evicted,
+        offset_after,
+        staging_counts,
+        staging_base,
+        np.arange(n),  # alias: itself
+        *counts.page_counts(),
+    )
+    packed[_ROW, n:] = row_of_request[0]
+    packed[_OFFSET_AFTER, n:] = offset_after[0]
+    return packed.reshape(-1)
+
+
+_ROW, _OFFSET_AFTER = COLUMNS.index("row"), COLUMNS.index("offset_after")
 
 
 def unpack_columns(packed: Tensor) -> dict[str, Tensor]:

@@ -30,10 +30,11 @@ of a pass's device work, and a decade of sizes is six buckets.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sglang_evict.batch_pass.counts import PassCounts, ceil_div
+import numpy as np
+
+from sglang_evict.batch_pass.counts import BatchCounts, ceil_div
 
 
 def ladder_bucket(n: int) -> int:
@@ -68,25 +69,28 @@ class PassShape:
 
 
 def pass_shape(
-    counts: Sequence[PassCounts],
-    staging_counts: Sequence[int],
+    counts: BatchCounts,
+    staging_counts: np.ndarray,
     *,
     page_size: int,
     row_capacity: int,
     static: bool,
 ) -> PassShape:
     """The exact shape of a pass over ``counts``, or (``static``) its bucket."""
-    if not counts:
+    if not len(counts):
         raise ValueError("a pass needs at least one request")
-    width = min(ceil_div(max(c.kv_len for c in counts), page_size) * page_size, row_capacity)
+    # Python's max/sum over short lists: cheaper on the host than numpy reductions.
+    staging = staging_counts.tolist()
+    staging_total = sum(staging)
+    width = min(ceil_div(max(counts.kv_len.tolist()), page_size) * page_size, row_capacity)
     exact = PassShape(
         requests=len(counts),
         width=width,
-        survivors=max(c.survivors for c in counts),
-        evicted=max(c.tokens_evicted for c in counts),
-        released=sum(c.pages_freed for c in counts) + sum(staging_counts),
-        staging_width=max(staging_counts),
-        staging_total=sum(staging_counts),
+        survivors=max(counts.survivors.tolist()),
+        evicted=max(counts.tokens_evicted.tolist()),
+        released=sum(counts.pages_freed.tolist()) + staging_total,
+        staging_width=max(staging),
+        staging_total=staging_total,
     )
     if not static:
         return exact

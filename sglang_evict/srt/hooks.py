@@ -159,10 +159,14 @@ def run_passes(
         kv = req_kv(reqs[i])
         kv.kv_committed_len = result.tokens_after
         kv.kv_allocated_len = result.tokens_after
+    copies = {}  # one copy of the shrink per device and dtype
     for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
         lengths = getattr(batch, name)
         if lengths is not None:  # a new tensor of the same device and dtype
-            setattr(batch, name, lengths - _on(shrink, lengths))
+            key = (lengths.device, lengths.dtype)
+            if key not in copies:
+                copies[key] = _on(shrink, lengths)
+            setattr(batch, name, lengths - copies[key])
     batch.seq_lens_sum = None
     Active.totals.add(results, pressure=pressure)
     if log_lines and results:  # allocator counts are host lengths: no device read
