@@ -100,3 +100,34 @@ def test_a_manager_off_cuda_refuses_pass_graphs_and_groups_by_its_choice():
     auto.group_choice.steps = 4
     assert [auto.open_pass_step() for _ in range(4)] == [True, False, False, False]
     assert auto.pass_group_steps == 4
+
+
+def test_auto_measures_replayed_passes_and_leaves_capturing_ones_out():
+    """The first pass of a shape runs eagerly and captures its graph (a one-off cost):
+    ``auto`` does not count it as a pass's host time; the replays of that shape it does
+    (graphs emulated off CUDA, ``sglang_evict.pass_graphs``)."""
+    import torch
+
+    from sglang_evict.evictor import DueRequest, EvictionManager
+    from sglang_evict.pass_graphs import PassGraphs
+    from sglang_evict.tensor_pool import TensorPool
+
+    buffers = [torch.randn(128, 1, 4)]
+    pool = TensorPool(k_buffers=buffers, v_buffers=buffers, page_size=1, rows=2, capacity=40)
+    config = EvictionConfig(
+        kv_budget_tokens=16, window_tokens=4, page_size=1, pass_group_steps="auto"
+    )
+    manager = EvictionManager(
+        config=config, pool=pool, compactor=None, num_request_rows=2, row_capacity=40
+    )
+    manager.graphs = PassGraphs(torch.device("cpu"))
+    for attempt in range(3):  # one request, the same shape each time
+        slots = pool.alloc_pages(24)
+        pool.req_to_token[0, :24] = slots.to(torch.int32)
+        manager.states.clear()
+        (result,) = manager.run_batch_pass([DueRequest(f"r{attempt}", 0, 24, 0, 0)])
+        assert result.tokens_after == 16
+        pool.release_pages(pool.req_to_token[0, :16].to(torch.int64))
+        assert manager.group_choice.passes_seen == attempt  # the capture is not counted
+    assert manager.graphs.captures == 1 and manager.graphs.replays == 2
+    assert manager.group_choice.pass_s > 0
