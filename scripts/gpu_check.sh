@@ -57,9 +57,10 @@ benches)
   ;;
 engine)
   # MODEL_ARGS: make_random_llama.py's shape flags (default: 156M); ENGINE_ARGS: the
-  # bench's (default: budget off against eviction with eager passes on every step, the
-  # same passes replayed as CUDA graphs, and auto grouping with graphs, one engine each,
-  # one repeat: the decode-step goal with and without grouping).
+  # bench's (default: budget off, then eviction with passes replayed as CUDA graphs on
+  # every step and with auto grouping, one engine each, two repeats, each evicting
+  # engine also generating with eviction off per request, alternating (--paired): the
+  # decode-step goal with and without grouping, measured within one engine).
   model=${MODEL:-/tmp/llama_rand}
   if [ ! -f "$model/config.json" ]; then
     python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-} || exit 1
@@ -67,7 +68,7 @@ engine)
   name=${NAME:-engine_eviction}
   logs=$(mktemp -d)
   timeout "${ENGINE_TIMEOUT_S:-540}" python3 benches/engine_eviction.py --model "$model" \
-    --out "$logs/$name.json" ${ENGINE_ARGS:---modes off,on:1,on:1+graph,on:auto+graph --repeats 1} 2>&1 | tee "$out/$name.txt"
+    --out "$logs/$name.json" ${ENGINE_ARGS:---modes off,on:1+graph,on:auto+graph --repeats 2 --paired} 2>&1 | tee "$out/$name.txt"
   cp "$logs/$name.json" "$out/" 2>/dev/null
   tar -C "$logs" -czf "$out/$name-logs.tar.gz" .
   ;;

@@ -105,16 +105,13 @@ def _offset_and_compacted(state: RequestState | None) -> tuple[int, int]:
 def check_rows(work: PassWork, num_request_rows: int, row_capacity: int) -> None:
     """Refuse a pass naming a row outside the request pool or longer than a row."""
     rows, kv_len = work.rows, work.counts.kv_len
-    outside = np.flatnonzero((rows < 0) | (rows >= num_request_rows))
-    if len(outside):
+    if rows.min() < 0 or rows.max() >= num_request_rows:  # the error path finds which
+        bad = rows[(rows < 0) | (rows >= num_request_rows)][0]
         raise ValueError(
-            f"req_pool_idx {int(rows[outside[0]])} outside the request pool [0, {num_request_rows})"
+            f"req_pool_idx {int(bad)} outside the request pool [0, {num_request_rows})"
         )
-    too_long = np.flatnonzero(kv_len > row_capacity)
-    if len(too_long):
-        raise ValueError(
-            f"kv_len {int(kv_len[too_long[0]])} exceeds the row capacity {row_capacity}"
-        )
+    if kv_len.max() > row_capacity:
+        raise ValueError(f"kv_len {int(kv_len.max())} exceeds the row capacity {row_capacity}")
 
 
 def commit_states(states: dict[str, RequestState], work: PassWork) -> None:
