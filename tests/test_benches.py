@@ -41,13 +41,16 @@ def test_engine_script_modes_compare_pass_groups_in_one_run(capsys):
     assert bench.parse_modes("plain,off,on,on:1,on:32") == ["plain", "off", "on", "on:1", "on:32"]
     args = bench.argparse.Namespace(
         pass_group_steps=4, budget=512, cadence=64, scorer="knorm", compaction="hole_fill",
-        window=32,
+        window=32, paired=True,
     )  # fmt: skip
     assert [bench.group_steps(args, m) for m in ("on", "on:1", "on:32", "off")] == [4, 1, 32, 4]
     assert bench.policy_for(args, "plain") is None
     assert bench.policy_for(args, "on:32")["pass_group_steps"] == 32
     assert bench.policy_for(args, "on:32")["kv_budget_tokens"] == 512
     assert bench.policy_for(args, "off")["kv_budget_tokens"] > 1 << 20
+    # --paired: the evicting servers let a request turn eviction off for itself
+    assert bench.policy_for(args, "on:32")["request_allow_disable"] is True
+    assert bench.policy_for(args, "off")["request_allow_disable"] is False
     for bad in ("on:0", "on:x", "off:2", "evict", "on,on", ""):
         with pytest.raises(ValueError, match="--modes"):
             bench.parse_modes(bad)
@@ -101,10 +104,11 @@ def test_pass_bench_dispatches_as_many_operations_whatever_the_budget_and_due_re
     assert len({int(r[5]) for r in rows}) == 1, lines
     # The second table: a replayed pass (capture emulated on CPU) dispatches at most 10
     # operations outside its replay, whatever the budget and the due requests.
-    assert "ops outside" in lines[8], lines
-    replayed = [line.split() for line in lines[9:13]]
+    header = next(i for i, line in enumerate(lines) if "ops outside" in line)
+    replayed = [line.split() for line in lines[header + 1 : header + 5]]
     assert [(int(r[0]), int(r[1])) for r in replayed] == [(256, 1), (256, 5), (1024, 1), (1024, 5)]
-    outside = {int(r[5]) for r in replayed}
+    assert all(0 < float(r[5]) <= float(r[3]) for r in replayed), lines  # outside <= whole
+    outside = {int(r[-1]) for r in replayed}
     assert len(outside) == 1 and outside.pop() <= 10, lines
 
 
