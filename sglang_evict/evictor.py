@@ -95,7 +95,7 @@ from sglang_evict.batch_pass import (
     batch_strategy,
     pass_counts,
 )
-from sglang_evict.batch_pass.counts import BatchCounts, frozen_length, leading_end
+from sglang_evict.batch_pass.counts import BatchCounts, protected_count
 from sglang_evict.batch_pass.inputs import host_columns
 from sglang_evict.batch_pass.shapes import pass_shape
 from sglang_evict.config import EvictionConfig
@@ -302,16 +302,7 @@ class EvictionManager:
     def lead_end(self, kv_len: int, num_shared: int, prompt_len: int) -> int:
         """``counts(...).lead_end`` alone (admission asks it of every running request
         at every scheduling round: a few host ints, no counts object)."""
-        config = self.config
-        return leading_end(
-            frozen_len=frozen_length(
-                kv_len=kv_len, num_shared=num_shared, page_size=config.page_size
-            ),
-            prompt_len=prompt_len,
-            sink_tokens=config.sink_tokens,
-            protected_tokens=config.protected_tokens,
-            evict_prompt=config.evict_prompt,
-        )
+        return self._protected(kv_len, 0, num_shared, prompt_len)[2]
 
     def is_due(
         self,
@@ -321,18 +312,39 @@ class EvictionManager:
         prompt_len: int,
         policy: RequestPolicy | None = None,
     ) -> bool:
-        """A pass is due once it would evict at least ``cadence`` tokens (O(1)); never
-        for a request whose policy turns eviction off."""
+        """A pass is due once it would evict at least ``cadence`` tokens (O(1), no
+        counts object: every running request asks at every decode step); never for a
+        request whose policy turns eviction off."""
         policy = policy or self.default_policy
         if not policy.enabled:
             return False
         cadence = policy.cadence_tokens
-        if kv_len < policy.kv_budget_tokens + cadence:  # survivors >= budget: never due
+        budget = policy.kv_budget_tokens
+        if kv_len < budget + cadence:  # survivors >= budget: never due
             return False
         if not self.failures.may_run(rid, self.decode_steps):  # backing off after a failure
             return False
-        counts = self.counts(rid, kv_len, num_shared, prompt_len, policy)
-        return counts.tokens_evicted >= cadence
+        state = self.states.get(rid)
+        offset = 0 if state is None else state.position_offset
+        num_protected = self._protected(kv_len, offset, num_shared, prompt_len)[4]
+        return kv_len - max(budget, num_protected) >= cadence  # kv_len - survivors
+
+    def _protected(
+        self, kv_len: int, position_offset: int, num_shared: int, prompt_len: int
+    ) -> tuple[int, int, int, int, int]:
+        """``protected_count`` under this server's config."""
+        c = self.config
+        return protected_count(
+            kv_len,
+            position_offset,
+            num_shared,
+            prompt_len,
+            c.page_size,
+            c.sink_tokens,
+            c.protected_tokens,
+            c.window_tokens,
+            c.evict_prompt,
+        )
 
     # --- shared-page pins ------------------------------------------------------------
 
@@ -370,7 +382,14 @@ class EvictionManager:
         """Logical positions of the tokens a decode batch generates: SGLang derives
         ``seq_lens - 1`` (after its +1); each request adds its offset."""
         base = (seq_lens - 1).clamp(min=0).to(torch.int64)
-        return base + self.offsets_by_row[req_pool_indices.to(self.offsets_by_row.device).long()]
+        return self.shift_positions(base, req_pool_indices)
+
+    def shift_positions(self, positions: Tensor, req_pool_indices: Tensor) -> Tensor:
+        """``positions`` (one per request, SGLang's ``seq_lens - 1``) plus each
+        request's offset: two tensor operations. Every offset is 0 while no request
+        has state (``states`` empty), so callers may skip this then."""
+        rows = req_pool_indices.to(self.offsets_by_row.device).long()
+        return positions + self.offsets_by_row[rows].to(positions.device)
 
     def order_after_forward(self) -> None:
         """Make the current stream (the scheduler's) wait, on the device, for the work

@@ -114,6 +114,7 @@ class EvictionMetrics:
     _misses_seen: int = 0
     # strategy -> (slot copies on their way from the device, bytes per slot)
     _copies: dict = field(default_factory=dict)
+    _children: dict = field(default_factory=dict)  # (metric id, label values) -> child
 
     @classmethod
     def create(cls, scorer: str, registry: Any = None) -> EvictionMetrics:
@@ -213,32 +214,45 @@ class EvictionMetrics:
         if not results:
             return
         strategy = results[0].strategy
-        labels = {"strategy": strategy, "scorer": self.scorer}
+        # Summed per scorer first: a counter moves once per pass, not once per request.
+        sums: dict[str, list] = {}
         for result in results:
             scorer = result.scorer or self.scorer
-            own = {"strategy": strategy, "scorer": scorer}
-            self.passes.labels(**own).inc()
+            acc = sums.get(scorer)
+            if acc is None:
+                acc = sums[scorer] = [0, 0, 0, self._child(self.budget_occupancy, scorer)]
+            acc[0] += 1
+            acc[1] += result.tokens_evicted
+            acc[2] += result.pages_freed
+            acc[3].observe(result.tokens_before / result.budget_tokens)
+        for scorer, (passes, evicted, freed, _) in sums.items():
+            self._child(self.passes, strategy, scorer).inc(passes)
             if pressure:
-                self.pressure_passes.labels(**own).inc()
-            self.tokens_evicted.labels(**own).inc(result.tokens_evicted)
-            self.pages_freed.labels(**own).inc(result.pages_freed)
-            self.budget_occupancy.labels(scorer=scorer).observe(
-                result.tokens_before / result.budget_tokens
-            )
-        self.pass_duration.labels(**labels).observe(duration_s)
+                self._child(self.pressure_passes, strategy, scorer).inc(passes)
+            self._child(self.tokens_evicted, strategy, scorer).inc(evicted)
+            self._child(self.pages_freed, strategy, scorer).inc(freed)
+        self._child(self.pass_duration, strategy, self.scorer).observe(duration_s)
         tally, _ = self._copies.setdefault(strategy, (DeviceTally(), results[0].bytes_per_slot))
         batches = {id(r.batch_slot_copies): r.batch_slot_copies for r in results}
         for copies in batches.values():  # one tensor per batched pass
             tally.add(copies.sum())
         self.fold_device_counts()
 
+    def _child(self, metric: Any, *label_values: str) -> Any:
+        """``metric.labels(*label_values)``, looked up once (a pass's metrics are on the
+        decode step's host path; labelled children are never removed)."""
+        key = (id(metric), label_values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*label_values)
+        return child
+
     def fold_device_counts(self) -> None:
         """Add the slot copies (and bytes: read + written) that reached the host."""
         for strategy, (tally, bytes_per_slot) in self._copies.items():
             copies = tally.poll()
-            labels = {"strategy": strategy, "scorer": self.scorer}
-            self.slot_copies.labels(**labels).inc(copies)
-            self.bytes_moved.labels(**labels).inc(2 * copies * bytes_per_slot)
+            self._child(self.slot_copies, strategy, self.scorer).inc(copies)
+            self._child(self.bytes_moved, strategy, self.scorer).inc(2 * copies * bytes_per_slot)
 
     def record_manager(self, manager: Any) -> None:
         """Lease releases that failed and passes completed in-process (host counters of

@@ -6,7 +6,7 @@ request (``RequestState``) and what a pass reports (``PassResult``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from torch import Tensor
 
@@ -68,9 +68,10 @@ class RequestState:
     peak_kv_tokens: int = 0  # the most KV it held when a pass ran
 
 
-@dataclass(frozen=True)
-class DueRequest:
-    """A request a decode step's pass covers (host ints the scheduler holds)."""
+class DueRequest(NamedTuple):
+    """A request a decode step's pass covers (host ints the scheduler holds). A named
+    tuple, not a frozen dataclass: the decode step builds one per due request, and a
+    frozen dataclass costs ~1 us more each."""
 
     rid: str
     req_pool_idx: int

@@ -64,24 +64,15 @@ def pass_work(
     """``due`` as columns, with each request's counts (``EvictionManager.counts`` of
     each, as arrays); a request without a policy takes ``default_policy``."""
     policies = [d.policy or default_policy for d in due]
-    columns = (
-        np.array(
-            [
-                (
-                    d.req_pool_idx,
-                    d.kv_len,
-                    d.num_shared,
-                    d.prompt_len,
-                    p.kv_budget_tokens,
-                    *_offset_and_compacted(states.get(d.rid)),
-                )
-                for d, p in zip(due, policies, strict=True)
-            ],
-            dtype=np.int64,
-        )
-        .reshape(len(due), 7)
-        .T
-    )
+    get = states.get
+    values = []
+    for d, p in zip(due, policies, strict=True):
+        state = get(d.rid)  # d[1:5]: req_pool_idx, kv_len, num_shared, prompt_len
+        if state is None:
+            values.append((*d[1:5], p.kv_budget_tokens, 0, 0))
+        else:
+            values.append((*d[1:5], p.kv_budget_tokens, state.position_offset, state.compacted_len))
+    columns = np.array(values, dtype=np.int64).reshape(len(due), 7).T
     rows, kv_len, num_shared, prompt_len, budget, offset, compacted = columns
     counts = batch_pass_counts(
         kv_len=kv_len,
@@ -96,10 +87,6 @@ def pass_work(
         evict_prompt=config.evict_prompt,
     )
     return PassWork(list(due), policies, counts, rows, compacted)
-
-
-def _offset_and_compacted(state: RequestState | None) -> tuple[int, int]:
-    return (0, 0) if state is None else (state.position_offset, state.compacted_len)
 
 
 def check_rows(work: PassWork, num_request_rows: int, row_capacity: int) -> None:

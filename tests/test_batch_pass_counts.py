@@ -131,3 +131,76 @@ def test_bad_counts_are_refused_naming_the_values():
             window_tokens=0,
             evict_prompt=False,
         )
+
+
+due_case = st.fixed_dictionaries(
+    {
+        "kv_len": st.integers(0, 3000),
+        "position_offset": st.integers(0, 2000),
+        "num_shared": st.integers(0, 600),
+        "prompt_len": st.integers(0, 900),
+        "budget": st.integers(89, 1500),  # above sinks + protected + window (8 + 40 + 40)
+        "cadence": st.integers(1, 300),
+        "enabled": st.booleans(),
+    }
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(due_case, config)
+def test_the_due_check_is_a_pass_that_would_evict_a_cadence(case, server):
+    """``EvictionManager.is_due`` (the decode step's check, no counts object) is true
+    exactly when the request's policy is on and a pass now would evict at least a
+    cadence of tokens: ``pass_counts(...).tokens_evicted >= cadence``."""
+    import dataclasses
+
+    import torch
+
+    from sglang_evict.config import EvictionConfig
+    from sglang_evict.evictor import EvictionManager
+    from sglang_evict.pass_state import RequestState
+    from sglang_evict.tensor_pool import TensorPool
+
+    page_size = server["page_size"]
+    window = min(
+        server["window_tokens"], 40
+    )  # the config keeps sinks + protected + window < budget
+    buffer = torch.zeros(2 * page_size, 1, 1)
+    manager = EvictionManager(
+        config=EvictionConfig(
+            kv_budget_tokens=case["budget"],
+            cadence_tokens=case["cadence"],
+            page_size=page_size,
+            sink_tokens=server["sink_tokens"],
+            protected_tokens=server["protected_tokens"],
+            window_tokens=window,
+            evict_prompt=server["evict_prompt"],
+            scorer="knorm",
+            lease_store="none",
+        ),
+        pool=TensorPool(
+            k_buffers=[buffer], v_buffers=[buffer], page_size=page_size, rows=1, capacity=1
+        ),
+        compactor=None,
+        num_request_rows=1,
+        row_capacity=1,
+        device="cpu",
+    )
+    if case["position_offset"]:  # an earlier pass left this request an offset
+        manager.states["r"] = RequestState(0, 0, case["position_offset"], 0, 0)
+    policy = dataclasses.replace(manager.default_policy, enabled=case["enabled"])
+    counts = pass_counts(
+        kv_len=case["kv_len"],
+        position_offset=case["position_offset"],
+        num_shared=case["num_shared"],
+        prompt_len=case["prompt_len"],
+        budget=case["budget"],
+        page_size=page_size,
+        sink_tokens=server["sink_tokens"],
+        protected_tokens=server["protected_tokens"],
+        window_tokens=window,
+        evict_prompt=server["evict_prompt"],
+    )
+    expected = case["enabled"] and counts.tokens_evicted >= case["cadence"]
+    due = manager.is_due("r", case["kv_len"], case["num_shared"], case["prompt_len"], policy)
+    assert due == expected

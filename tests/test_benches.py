@@ -112,6 +112,30 @@ def test_pass_bench_dispatches_as_many_operations_whatever_the_budget_and_due_re
     assert len(outside) == 1 and outside.pop() <= 10, lines
 
 
+def test_step_hooks_bench_times_the_hooks_of_a_step_with_and_without_passes():
+    """``bench_step_hooks.py --smoke``: the budget-off row and one row per due count,
+    each step's host time at least its share outside the device body, at least the
+    pass's own share; no pass where nothing is due."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHES / "bench_step_hooks.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["mode", "due"])
+    rows = [line.rsplit(maxsplit=4) for line in lines[header + 1 :]]
+    assert [(r[0], int(r[1])) for r in rows] == [
+        ("budget off", 0),
+        ("evicting", 0),
+        ("evicting", 2),
+    ], lines
+    for _, due, step_ms, outside_ms, pass_ms in rows:
+        assert float(step_ms) >= float(outside_ms) >= float(pass_ms) >= 0, lines
+        assert (float(pass_ms) > 0) == (int(due) > 0), lines
+
+
 def test_scoring_bench_runs_its_smoke_configuration_on_cpu():
     result = subprocess.run(
         [sys.executable, str(BENCHES / "bench_scoring.py"), "--smoke"],

@@ -276,6 +276,44 @@ def test_forward_batch_hook_adds_each_requests_position_offset(monkeypatch):
     assert forward_batch.positions.tolist() == [0, 1]
 
 
+def test_forward_batch_hook_keeps_sglangs_positions_until_a_request_is_compacted(monkeypatch):
+    """While no request has been compacted every offset is 0: the decode hook leaves
+    SGLang's own positions tensor in place (no tensor operation on the step); after the
+    first pass it adds the offsets."""
+    config = EvictionConfig(
+        kv_budget_tokens=64, cadence_tokens=16, window_tokens=16, scorer="streaming", page_size=1
+    )
+    engine = Engine(page_size=1, config=config)
+    req = engine.add_request("a", list(range(40)))
+    monkeypatch.setattr(Active, "manager", engine.cache.evictor)
+
+    def hooked_positions():
+        seq_lens = torch.tensor([req_kv(req).kv_committed_len + 1])
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=1,
+            input_ids=torch.zeros(1, dtype=torch.int64),
+            req_pool_indices=torch.tensor([req_kv(req).req_pool_idx]),
+            seq_lens=seq_lens,
+            out_cache_loc=torch.zeros(1, dtype=torch.int64),
+            seq_lens_sum=int(seq_lens.sum()),
+            positions=seq_lens - 1,
+        )
+        sglangs = forward_batch.positions
+        _after_forward_batch_init_new(forward_batch)
+        return sglangs, forward_batch.positions
+
+    steps = 0
+    while not engine.pass_log:
+        sglangs, hooked = hooked_positions()
+        assert hooked is sglangs and engine.cache.evictor.num_tracked_requests() == 0
+        engine.decode_step(req, steps)
+        steps += 1
+    sglangs, hooked = hooked_positions()
+    assert hooked is not sglangs
+    assert hooked.tolist() == [40 + steps] and sglangs.tolist() == [req_kv(req).kv_committed_len]
+
+
 def test_metrics_count_what_the_passes_did():
     from prometheus_client import CollectorRegistry
 
@@ -306,6 +344,48 @@ def test_metrics_count_what_the_passes_did():
         metric_names.BUDGET_OCCUPANCY_RATIO + "_count", {"scorer": "knorm"}
     )
     assert occupancy == len(results)
+
+
+def test_metrics_of_one_pass_count_each_requests_scorer_and_budget():
+    """A batched pass of requests under two scorers (per-request policies) and
+    budgets, run early for a step that could not allocate: each scorer's counters hold
+    its own requests' sums, the occupancy histogram one observation per request."""
+    from prometheus_client import CollectorRegistry
+
+    from sglang_evict.pass_state import PassResult
+
+    registry = CollectorRegistry()
+    recorder = EvictionMetrics.create("knorm", registry=registry)
+    copies = torch.tensor([3, 0, 5, 2])
+    rows = [  # (tokens before, after, pages freed, scorer, budget)
+        (300, 256, 2, "knorm", 256),
+        (200, 128, 4, "streaming", 128),
+        (290, 256, 1, "knorm", 256),
+        (100, 64, 2, "streaming", 64),
+    ]
+    results = [
+        PassResult(f"r{i}", before, after, freed, "hole_fill", False, 0.001, copies, i, 10, s, b)
+        for i, (before, after, freed, s, b) in enumerate(rows)
+    ]
+    recorder.record_batch(results, 0.001, pressure=True)
+    for scorer in ("knorm", "streaming"):
+        labels = {"strategy": "hole_fill", "scorer": scorer}
+        mine = [r for r in rows if r[3] == scorer]
+        for name in (metric_names.PASSES_TOTAL, metric_names.PRESSURE_PASSES_TOTAL):
+            assert registry.get_sample_value(name, labels) == len(mine)
+        evicted = registry.get_sample_value(metric_names.TOKENS_EVICTED_TOTAL, labels)
+        assert evicted == sum(before - after for before, after, *_ in mine)
+        freed = registry.get_sample_value(metric_names.PAGES_FREED_TOTAL, labels)
+        assert freed == sum(r[2] for r in mine)
+        occupancy = metric_names.BUDGET_OCCUPANCY_RATIO
+        assert registry.get_sample_value(occupancy + "_count", {"scorer": scorer}) == 2
+        assert registry.get_sample_value(occupancy + "_sum", {"scorer": scorer}) == pytest.approx(
+            sum(before / budget for before, _, _, _, budget in mine)
+        )
+    server = {"strategy": "hole_fill", "scorer": "knorm"}  # the batch's, under the server's
+    assert registry.get_sample_value(metric_names.SLOT_COPIES_TOTAL, server) == 10
+    assert registry.get_sample_value(metric_names.BYTES_MOVED_TOTAL, server) == 2 * 10 * 10
+    assert registry.get_sample_value(metric_names.PASS_DURATION_SECONDS + "_count", server) == 1
 
 
 def test_metric_names_never_reuse_sglangs_namespace():

@@ -109,21 +109,29 @@ class PassCounts:
         return ceil_div(self.survivors - self.frozen_len, self.page_size)
 
 
-def frozen_length(*, kv_len: int, num_shared: int, page_size: int) -> int:
-    """Leading row entries that never move: the shared prefix in whole pages."""
-    return min(ceil_div(num_shared, page_size) * page_size, kv_len)
-
-
-def leading_end(
-    *,
-    frozen_len: int,
+def protected_count(
+    kv_len: int,
+    position_offset: int,
+    num_shared: int,
     prompt_len: int,
+    page_size: int,
     sink_tokens: int,
     protected_tokens: int,
+    window_tokens: int,
     evict_prompt: bool,
-) -> int:
-    """End of the protected leading range ``[0, lead_end)`` (module docstring)."""
-    return max(sink_tokens + protected_tokens, 0 if evict_prompt else prompt_len, frozen_len)
+) -> tuple[int, int, int, int, int]:
+    """``(next_position, frozen_len, lead_end, window_start, num_protected)`` of a
+    request holding ``kv_len`` entries (module docstring): the arithmetic of
+    ``pass_counts``, positional host ints and no object, because the decode step's due
+    check asks it of every request past its budget at every step."""
+    next_position = kv_len + position_offset
+    frozen_len = min(-(-num_shared // page_size) * page_size, kv_len)
+    lead_end = max(sink_tokens + protected_tokens, 0 if evict_prompt else prompt_len, frozen_len)
+    lead = min(lead_end, next_position)
+    window_start = max(next_position - window_tokens, 0)
+    overlap = max(0, lead - window_start)
+    num_protected = min(lead + (next_position - window_start) - overlap, kv_len)
+    return next_position, frozen_len, lead_end, window_start, num_protected
 
 
 def pass_counts(
@@ -146,20 +154,17 @@ def pass_counts(
             f"kv_len={kv_len}, page_size={page_size}, budget={budget}: need kv_len >= 0, "
             f"page_size >= 1, budget >= 0"
         )
-    next_position = kv_len + position_offset
-    frozen_len = frozen_length(kv_len=kv_len, num_shared=num_shared, page_size=page_size)
-    lead_end = leading_end(
-        frozen_len=frozen_len,
-        prompt_len=prompt_len,
-        sink_tokens=sink_tokens,
-        protected_tokens=protected_tokens,
-        evict_prompt=evict_prompt,
+    next_position, frozen_len, lead_end, window_start, num_protected = protected_count(
+        kv_len,
+        position_offset,
+        num_shared,
+        prompt_len,
+        page_size,
+        sink_tokens,
+        protected_tokens,
+        window_tokens,
+        evict_prompt,
     )
-    lead = min(lead_end, next_position)
-    window_start = max(next_position - window_tokens, 0)
-    recent = next_position - window_start
-    overlap = max(0, lead - window_start)
-    num_protected = min(lead + recent - overlap, kv_len)
     survivors = min(kv_len, max(budget, num_protected))
     return PassCounts(
         kv_len=kv_len,

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from sglang_evict.evictor import DueRequest, EvictionManager, PassResult
@@ -49,8 +50,8 @@ from sglang_evict.srt.backend import EvictingRadixCache
 from sglang_evict.srt.capture import on_forward_batch
 from sglang_evict.srt.introspection import log_pass, log_passes_enabled
 from sglang_evict.srt.request_policy import policy_of
-from sglang_evict.srt.versioned import req_kv
-from sglang_evict_kernels import device_int64
+from sglang_evict.srt.versioned import kv_lengths, set_kv_len
+from sglang_evict_kernels import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +60,25 @@ HOOK_FORWARD_BATCH_INIT = "sglang.srt.model_executor.forward_batch_info.ForwardB
 
 
 def due_requests(manager: EvictionManager, reqs) -> list[tuple[int, DueRequest]]:
-    """``(batch index, DueRequest)`` of the requests whose pass is due (O(1) each),
-    each under its own policy (``sglang_evict.srt.request_policy``)."""
+    """``(batch index, DueRequest)`` of the requests whose pass is due (O(1) each, no
+    object per request that is not due: this runs for every running request at every
+    pass step), each under its own policy (``sglang_evict.srt.request_policy``)."""
     due = []
+    is_due, default = manager.is_due, manager.default_policy
     for i, req in enumerate(reqs):
-        policy = policy_of(req)
-        kv = req_kv(req)
-        if not passable(req) or not manager.is_due(
-            req.rid, kv.kv_committed_len, kv.cache_protected_len, len(req.origin_input_ids), policy
-        ):
+        if not passable(req):
             continue
-        if supported_allocation(req):
-            due.append((i, due_request(req, policy)))
+        policy = policy_of(req)
+        row, kv_len, num_shared, allocated = kv_lengths(req)
+        resolved = policy or default
+        # is_due's own first test, here: a request between two passes costs no call.
+        if kv_len < resolved.kv_budget_tokens + resolved.cadence_tokens:
+            continue
+        prompt_len = len(req.origin_input_ids)
+        if not is_due(req.rid, kv_len, num_shared, prompt_len, policy):
+            continue
+        if allocated == kv_len or supported_allocation(req):
+            due.append((i, DueRequest(req.rid, row, kv_len, num_shared, prompt_len, policy)))
     return due
 
 
@@ -82,29 +90,22 @@ def passable(req) -> bool:
 
 def supported_allocation(req) -> bool:
     """False (and logged) for a request holding more slots than committed tokens."""
-    kv = req_kv(req)
-    if kv.kv_allocated_len == kv.kv_committed_len:
+    _, committed, _, allocated = kv_lengths(req)
+    if allocated == committed:
         return True
     logger.error(
         "sglang-evict: request %s has %d KV slots allocated for %d committed; "
         "over-allocation (speculative decoding) is not supported: no pass",
         req.rid,
-        kv.kv_allocated_len,
-        kv.kv_committed_len,
+        allocated,
+        committed,
     )
     return False
 
 
 def due_request(req, policy) -> DueRequest:
-    kv = req_kv(req)
-    return DueRequest(
-        rid=req.rid,
-        req_pool_idx=kv.req_pool_idx,
-        kv_len=kv.kv_committed_len,
-        num_shared=kv.cache_protected_len,
-        prompt_len=len(req.origin_input_ids),
-        policy=policy,
-    )
+    row, kv_len, num_shared, _ = kv_lengths(req)
+    return DueRequest(req.rid, row, kv_len, num_shared, len(req.origin_input_ids), policy)
 
 
 def compact_decode_batch(manager: EvictionManager, batch) -> list[PassResult]:
@@ -150,15 +151,13 @@ def run_passes(
             Active.metrics.record_manager(manager)
         return []
     by_rid = {r.rid: r for r in results}
-    shrink = [0] * len(reqs)
+    shrink = np.zeros(len(reqs), dtype=np.int64)
     for i, request in due:
         result = by_rid.get(request.rid)
         if result is None:
             continue
         shrink[i] = result.tokens_evicted
-        kv = req_kv(reqs[i])
-        kv.kv_committed_len = result.tokens_after
-        kv.kv_allocated_len = result.tokens_after
+        set_kv_len(reqs[i], result.tokens_after)
     copies = {}  # one copy of the shrink per device and dtype
     for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
         lengths = getattr(batch, name)
@@ -195,9 +194,18 @@ def run_passes(
     return results
 
 
-def _on(values: list[int], like: torch.Tensor) -> torch.Tensor:
-    """``values`` as a tensor of ``like``'s device and dtype, copied without a host wait."""
-    return device_int64(values, like.device).to(like.dtype)
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+def _on(values: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """``values`` as a tensor of ``like``'s device and dtype, copied without a host wait
+    (cast on the host: one copy, no device cast)."""
+    dtype = _NUMPY_DTYPES.get(like.dtype)
+    if dtype is None:
+        host = torch.from_numpy(values).to(like.dtype)
+    else:
+        host = torch.from_numpy(values.astype(dtype))
+    return host if like.device.type == "cpu" else to_device(host, like.device)
 
 
 def _before_prepare_for_decode(batch, *args, **kwargs):
@@ -209,10 +217,12 @@ def _before_prepare_for_decode(batch, *args, **kwargs):
 
 def _after_forward_batch_init_new(forward_batch, *args, **kwargs):
     manager = Active.manager
-    if manager is not None and forward_batch.forward_mode.is_decode():
-        forward_batch.positions = manager.decode_positions(
-            forward_batch.req_pool_indices, forward_batch.seq_lens
-        ).to(forward_batch.positions.device)
+    # SGLang's decode positions are seq_lens - 1; a request compacted by a pass adds its
+    # offset. While no request has been compacted every offset is 0: nothing to add.
+    if manager is not None and manager.states and forward_batch.forward_mode.is_decode():
+        forward_batch.positions = manager.shift_positions(
+            forward_batch.positions, forward_batch.req_pool_indices
+        )
     if manager is not None and manager.query_ring is not None:
         # init_new(cls, batch, model_runner, ...): the extend batch's new rows are reset.
         batch = args[1] if len(args) > 1 else kwargs.get("batch")

@@ -75,6 +75,33 @@ def req_kv(req):
     return req.kv if IS_0_5_23 else _ReqKv0517(req)
 
 
+def _kv_lengths_0523(req) -> tuple[int, int, int, int]:
+    kv = req.kv
+    return kv.req_pool_idx, kv.kv_committed_len, kv.cache_protected_len, kv.kv_allocated_len
+
+
+def _kv_lengths_0517(req) -> tuple[int, int, int, int]:
+    return req.req_pool_idx, req.kv_committed_len, req.cache_protected_len, req.kv.kv_allocated_len
+
+
+def _set_kv_len_0523(req, num_tokens: int) -> None:
+    kv = req.kv
+    kv.kv_committed_len = kv.kv_allocated_len = num_tokens
+
+
+def _set_kv_len_0517(req, num_tokens: int) -> None:
+    req.kv_committed_len = req.kv.kv_allocated_len = num_tokens
+
+
+# ``(req_pool_idx, kv_committed_len, cache_protected_len, kv_allocated_len)`` of a
+# request, read without ``req_kv``'s view object: the decode step's due check reads
+# them for every running request at every step.
+kv_lengths = _kv_lengths_0523 if IS_0_5_23 else _kv_lengths_0517
+# ``set_kv_len(req, n)``: committed and allocated KV lengths both ``n`` (a pass's
+# survivors), without the view object.
+set_kv_len = _set_kv_len_0523 if IS_0_5_23 else _set_kv_len_0517
+
+
 def matched_prefix_len(req) -> int:
     """Tokens of a waiting request's prompt matched in the radix tree."""
     return req.prefix_len if IS_0_5_23 else len(req.prefix_indices)
