@@ -8,7 +8,8 @@ per shape on a GPU; off CUDA the capture is emulated), the shrink of the batch's
 lengths, the Prometheus metrics of the pass, and the decode positions. Rows:
 
     budget off     every request's eviction off (``{"enabled": false}``): the scan only
-    evicting, 0    every request between two passes (no pass this step)
+    evicting, 0    every request between two passes, compacted by an earlier one (no
+                   pass this step; the positions carry their offsets)
     evicting, k    k of the requests due: one pass of k requests
 
 Off CUDA the emulated replay runs the pass's device work on the host: ``outside ms``
@@ -39,9 +40,13 @@ sys.path[:0] = [
 from bench_pass import PROMPT_TOKENS, fill_rows, replay_manager, setup, sync  # noqa: E402
 
 from sglang_evict.metrics import EvictionMetrics  # noqa: E402
+from sglang_evict.pass_state import RequestState  # noqa: E402
 from sglang_evict.request_policy import RequestPolicy  # noqa: E402
 from sglang_evict.srt.active import Active  # noqa: E402
-from sglang_evict.srt.hooks import compact_decode_batch  # noqa: E402
+from sglang_evict.srt.hooks import (  # noqa: E402
+    _after_forward_batch_init_new,
+    compact_decode_batch,
+)
 from sglang_evict.srt.request_policy import POLICY_ATTR  # noqa: E402
 
 
@@ -90,6 +95,22 @@ class BenchBatch:
     seq_lens_sum: int | None = None
 
 
+class _Decode:
+    @staticmethod
+    def is_decode() -> bool:
+        return True
+
+
+@dataclasses.dataclass
+class BenchForwardBatch:
+    """The fields of SGLang's decode ``ForwardBatch`` the positions hook reads."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    positions: torch.Tensor  # SGLang's: seq_lens - 1
+    forward_mode: _Decode = dataclasses.field(default_factory=_Decode)
+
+
 def time_steps(args, due: int, enabled: bool) -> tuple[float, float, float]:
     """Median host ms per decode step (hooks only), outside the pass's device body, and
     inside ``run_batch_pass``; ``due`` of ``args.running`` requests due."""
@@ -113,13 +134,21 @@ def time_steps(args, due: int, enabled: bool) -> tuple[float, float, float]:
     manager._device_pass = timed(body, in_body)
     manager.run_batch_pass = timed(run_batch_pass, in_pass)
     metrics = EvictionMetrics.create(config.scorer, registry=_fresh_registry())
-    saved, Active.metrics = Active.metrics, metrics
+    saved = Active.metrics, Active.manager
+    Active.metrics, Active.manager = metrics, manager
     device = torch.device(args.device)
     steps, outside, passes = [], [], []
     try:
         for repeat in range(args.repeats + 2):  # the first two capture
             fill_rows(pool, args.running, kv_len, args.page_size, seed=repeat % 3)
             manager.states.clear()
+            manager.offsets_by_row.zero_()
+            if enabled:  # the requests between two passes were compacted by an earlier one
+                for r in range(due, args.running):
+                    manager.states[f"r{r}"] = RequestState(
+                        r, between, args.cadence, PROMPT_TOKENS, PROMPT_TOKENS
+                    )
+                manager.offsets_by_row[due : args.running] = args.cadence
             reqs = [
                 BenchReq(r, kv_len if r < due else between, policy) for r in range(args.running)
             ]
@@ -136,8 +165,14 @@ def time_steps(args, due: int, enabled: bool) -> tuple[float, float, float]:
             sync(args.device)
             start = time.perf_counter()
             results = compact_decode_batch(manager, batch)
-            manager.decode_positions(batch.req_pool_indices, batch.seq_lens + 1)
             elapsed = time.perf_counter() - start
+            seq_lens = batch.seq_lens + 1  # SGLang's own work (not timed): its +1, its
+            forward_batch = BenchForwardBatch(  # ForwardBatch with positions seq_lens - 1
+                batch.req_pool_indices, seq_lens, (seq_lens - 1).clamp(min=0)
+            )
+            start = time.perf_counter()
+            _after_forward_batch_init_new(forward_batch)
+            elapsed += time.perf_counter() - start
             sync(args.device)
             assert len(results) == (due if enabled else 0)
             if repeat >= 2:
@@ -146,7 +181,7 @@ def time_steps(args, due: int, enabled: bool) -> tuple[float, float, float]:
                 outside.append(elapsed - (in_body[0] if on_host else 0.0))
                 passes.append(in_pass[0] - (in_body[0] if on_host else 0.0))
     finally:
-        Active.metrics = saved
+        Active.metrics, Active.manager = saved
     return tuple(statistics.median(v) * 1e3 for v in (steps, outside, passes))
 
 

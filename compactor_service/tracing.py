@@ -55,6 +55,9 @@ class _SpanNotRecorded:
     def set_attribute(self, key: str, value: object) -> None:
         pass
 
+    def is_recording(self) -> bool:  # attributes worth computing only when recorded
+        return False
+
 
 class _TracerNotRecording:
     """What ``tracer`` returns while no tracer provider is installed: spans that cost

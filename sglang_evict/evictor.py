@@ -455,9 +455,11 @@ class EvictionManager:
                 f"query ring is attached; query capture must run in the attention"
             )
         with tracing.tracer().start_as_current_span(tracing.SPAN_PASS) as span:
-            span.set_attribute(tracing.ATTR_REQUESTS, len(due))
-            span.set_attribute(tracing.ATTR_TOKENS_BEFORE, int(counts.kv_len.sum()))
-            span.set_attribute(tracing.ATTR_SCORER, ",".join(names))
+            recording = span.is_recording()  # the sums below only for a recorded span
+            if recording:
+                span.set_attribute(tracing.ATTR_REQUESTS, len(due))
+                span.set_attribute(tracing.ATTR_TOKENS_BEFORE, int(counts.kv_len.sum()))
+                span.set_attribute(tracing.ATTR_SCORER, ",".join(names))
             try:
                 self.lease.check_up()
                 results = self._run(work, start, span)
@@ -473,9 +475,10 @@ class EvictionManager:
                     self.group_choice.note_pass(spent)
                 self._pass_s_since_step += spent  # never a decode step's time
             span.set_attribute(tracing.ATTR_OUTCOME, "committed")
-            span.set_attribute(tracing.ATTR_TOKENS_AFTER, int(counts.survivors.sum()))
-            span.set_attribute(tracing.ATTR_PAGES_FREED, int(counts.pages_freed.sum()))
-            span.set_attribute(tracing.ATTR_STRATEGY, results[0].strategy)
+            if recording:
+                span.set_attribute(tracing.ATTR_TOKENS_AFTER, int(counts.survivors.sum()))
+                span.set_attribute(tracing.ATTR_PAGES_FREED, int(counts.pages_freed.sum()))
+                span.set_attribute(tracing.ATTR_STRATEGY, results[0].strategy)
         return results
 
     # --- failures ----------------------------------------------------------------------
