@@ -104,26 +104,39 @@ def check_rows(work: PassWork, num_request_rows: int, row_capacity: int) -> None
 def commit_states(states: dict[str, RequestState], work: PassWork) -> None:
     """Each request's host state after its pass (created at its first)."""
     counts = work.counts
-    for d, policy, kv_len, survivors, next_position in zip(
+    get = states.get
+    for (rid, row, _, num_shared, prompt_len, _), policy, kv_len, survivors, offset in zip(
         work.due,
         work.policies,
         counts.kv_len.tolist(),
         counts.survivors.tolist(),
-        counts.next_position.tolist(),
+        (counts.next_position - counts.survivors).tolist(),
         strict=True,
     ):
-        state = states.get(d.rid)
+        state = get(rid)
         if state is None:
-            state = states[d.rid] = RequestState(d.req_pool_idx, 0, 0, 0, 0)
-        state.req_pool_idx = d.req_pool_idx
+            states[rid] = RequestState(
+                row,
+                survivors,
+                offset,
+                num_shared,
+                prompt_len,
+                1,
+                kv_len - survivors,
+                policy,
+                kv_len,
+            )
+            continue
+        state.req_pool_idx = row
         state.compacted_len = survivors
-        state.position_offset = next_position - survivors
-        state.num_shared = d.num_shared
-        state.prompt_len = d.prompt_len
+        state.position_offset = offset
+        state.num_shared = num_shared
+        state.prompt_len = prompt_len
         state.num_passes += 1
         state.tokens_evicted += kv_len - survivors
         state.policy = policy
-        state.peak_kv_tokens = max(state.peak_kv_tokens, kv_len)
+        if kv_len > state.peak_kv_tokens:
+            state.peak_kv_tokens = kv_len
 
 
 def pass_results(
