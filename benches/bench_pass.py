@@ -336,20 +336,25 @@ def time_previous(args, config, pool, kv_len, num_requests):
     return time.perf_counter() - start
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    parser.add_argument("--due", type=int, nargs="+", default=[1, 4, 16, 64])
+def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
+    """The pass's policy and pool shape (``setup``), shared with bench_step_hooks.py."""
     parser.add_argument("--cadence", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--strategy", default="hole_fill", choices=["hole_fill", "repack"])
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--kv-heads", type=int, default=1)
     parser.add_argument("--head-dim", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--old-requests", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--due", type=int, nargs="+", default=[1, 4, 16, 64])
+    add_pool_arguments(parser)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--old-requests", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="one tiny point (checks the script)")
     parser.add_argument(
         "--profile",

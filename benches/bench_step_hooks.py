@@ -37,7 +37,14 @@ sys.path[:0] = [
     os.path.join(os.path.dirname(__file__), "..", "kernels"),
 ]
 
-from bench_pass import PROMPT_TOKENS, fill_rows, replay_manager, setup, sync  # noqa: E402
+from bench_pass import (  # noqa: E402
+    PROMPT_TOKENS,
+    add_pool_arguments,
+    fill_rows,
+    replay_manager,
+    setup,
+    sync,
+)
 
 from sglang_evict.metrics import EvictionMetrics  # noqa: E402
 from sglang_evict.pass_state import RequestState  # noqa: E402
@@ -196,15 +203,8 @@ def main(argv=None) -> None:
     parser.add_argument("--running", type=int, default=64)
     parser.add_argument("--due", type=int, nargs="+", default=[0, 1, 4, 16, 64])
     parser.add_argument("--budget", type=int, default=1024)
-    parser.add_argument("--cadence", type=int, default=128)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--strategy", default="hole_fill", choices=["hole_fill", "repack"])
-    parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--kv-heads", type=int, default=1)
-    parser.add_argument("--head-dim", type=int, default=8)
+    add_pool_arguments(parser)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--smoke", action="store_true", help="a tiny run (checks the script)")
     args = parser.parse_args(argv)
     if args.smoke:

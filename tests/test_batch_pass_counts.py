@@ -151,7 +151,7 @@ due_case = st.fixed_dictionaries(
 def test_the_due_check_is_a_pass_that_would_evict_a_cadence(case, server):
     """``EvictionManager.is_due`` (the decode step's check, no counts object) is true
     exactly when the request's policy is on and a pass now would evict at least a
-    cadence of tokens: ``pass_counts(...).tokens_evicted >= cadence``."""
+    cadence of tokens: ``counts(...).tokens_evicted >= cadence`` (``pass_counts``)."""
     import dataclasses
 
     import torch
@@ -162,9 +162,7 @@ def test_the_due_check_is_a_pass_that_would_evict_a_cadence(case, server):
     from sglang_evict.tensor_pool import TensorPool
 
     page_size = server["page_size"]
-    window = min(
-        server["window_tokens"], 40
-    )  # the config keeps sinks + protected + window < budget
+    window = min(server["window_tokens"], 40)  # sinks + protected + window < budget
     buffer = torch.zeros(2 * page_size, 1, 1)
     manager = EvictionManager(
         config=EvictionConfig(
@@ -189,17 +187,11 @@ def test_the_due_check_is_a_pass_that_would_evict_a_cadence(case, server):
     if case["position_offset"]:  # an earlier pass left this request an offset
         manager.states["r"] = RequestState(0, 0, case["position_offset"], 0, 0)
     policy = dataclasses.replace(manager.default_policy, enabled=case["enabled"])
-    counts = pass_counts(
-        kv_len=case["kv_len"],
-        position_offset=case["position_offset"],
-        num_shared=case["num_shared"],
-        prompt_len=case["prompt_len"],
-        budget=case["budget"],
-        page_size=page_size,
-        sink_tokens=server["sink_tokens"],
-        protected_tokens=server["protected_tokens"],
-        window_tokens=window,
-        evict_prompt=server["evict_prompt"],
+    # pass_counts under the manager's config and the request's offset and budget
+    counts = manager.counts("r", case["kv_len"], case["num_shared"], case["prompt_len"], policy)
+    assert (counts.next_position, counts.budget) == (
+        case["kv_len"] + case["position_offset"],
+        case["budget"],
     )
     expected = case["enabled"] and counts.tokens_evicted >= case["cadence"]
     due = manager.is_due("r", case["kv_len"], case["num_shared"], case["prompt_len"], policy)
