@@ -253,9 +253,12 @@ def time_replay_point(args, budget, num_requests, replayed: bool):
     """Median host ms per pass (the first two passes, which capture, left out), the
     median host ms outside the pass's device body (on a GPU a replay does not run the
     body on the host, so there the two agree; off CUDA the emulated replay runs it, and
-    the second figure is what the host would pay around a real replay), and the
+    the second figure is what the host would pay around a real replay), the
     operations a pass dispatched outside its device body, counted on one more pass
-    (the counter's dispatch hook costs host time: the timed passes run without it)."""
+    (the counter's dispatch hook costs host time: the timed passes run without it),
+    and the MiB the shape's capture took from the graphs' pool (on a GPU what the
+    capture reserved; off CUDA what the shape's first pass allocated, the most a
+    capture could take; 0 for eager passes)."""
     config, pool, kv_len = setup(args, budget, num_requests)
     manager = replay_manager(args, config, pool, kv_len, num_requests, replayed)
     counter = CountOps()
@@ -295,10 +298,12 @@ def time_replay_point(args, budget, num_requests, replayed: bool):
         if 2 <= repeat and not counted:
             times.append(elapsed)
             outside.append(elapsed - (in_body[0] if not replayed or args.device != "cuda" else 0))
+    pool_mib = 0.0
     if replayed:
         assert manager.graphs.replays == args.repeats + 2, "every timed pass must be a replay"
+        pool_mib = manager.graphs.graph_pool_bytes / 2**20
     ms = statistics.median(times) * 1e3
-    return ms, statistics.median(outside) * 1e3, counter.count
+    return ms, statistics.median(outside) * 1e3, counter.count, pool_mib
 
 
 def replay_table(args) -> None:
@@ -311,17 +316,17 @@ def replay_table(args) -> None:
         )
     print(
         f"{'budget':>7} {'due':>4} {'eager ms':>9} {'replay ms':>10} {'ratio':>7} "
-        f"{'replay outside ms':>18} {'ops outside':>12}"
+        f"{'replay outside ms':>18} {'pool MiB':>9} {'ops outside':>12}"
     )
     for budget in args.budgets:
         for num_requests in args.due:
-            eager_ms, _, _ = time_replay_point(args, budget, num_requests, replayed=False)
-            replay_ms, outside_ms, ops = time_replay_point(
+            eager_ms, _, _, _ = time_replay_point(args, budget, num_requests, replayed=False)
+            replay_ms, outside_ms, ops, pool_mib = time_replay_point(
                 args, budget, num_requests, replayed=True
             )
             print(
                 f"{budget:>7} {num_requests:>4} {eager_ms:>9.3f} {replay_ms:>10.3f} "
-                f"{eager_ms / replay_ms:>6.1f}x {outside_ms:>18.3f} {ops:>12}",
+                f"{eager_ms / replay_ms:>6.1f}x {outside_ms:>18.3f} {pool_mib:>9.2f} {ops:>12}",
                 flush=True,
             )
 

@@ -12,8 +12,10 @@ from sglang_evict.config import (
     COMPACTION_STRATEGIES,
     COMPACTOR_FALLBACKS,
     COMPACTORS,
+    DEFAULT_PASS_GRAPH_POOL_MIB,
     DEFAULT_SCORER,
     LEASE_STORES,
+    MAX_PASS_GRAPH_POOL_MIB,
     MAX_PASS_GROUP_STEPS,
     MAX_QUERY_WINDOW_TOKENS,
     MAX_REQUEST_TOKENS,
@@ -85,6 +87,14 @@ def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None
         default=None,
         help="replay passes as CUDA graphs, one per bucketed pass shape (default: on where "
         "the KV pool is on a GPU and SGLang's CUDA graphs are on)",
+    )
+    parser.add_argument(
+        "--kv-pass-graph-pool-mib",
+        type=int_flag(1, MAX_PASS_GRAPH_POOL_MIB),
+        default=DEFAULT_PASS_GRAPH_POOL_MIB,
+        metavar="MIB",
+        help="the most memory the pass CUDA graphs may hold, taken out of the KV pool when "
+        "they are on; pass shapes past it run eagerly (default: %(default)s)",
     )
     parser.add_argument(
         "--kv-sink-tokens",
@@ -277,6 +287,7 @@ def config_from_args(args: argparse.Namespace) -> EvictionConfig:
         cadence_tokens=args.kv_cadence,
         pass_group_steps=args.kv_pass_group_steps,
         pass_cuda_graph=args.kv_pass_cuda_graph,
+        pass_graph_pool_mib=args.kv_pass_graph_pool_mib,
         sink_tokens=args.kv_sink_tokens,
         protected_tokens=args.kv_protected_tokens,
         window_tokens=args.kv_window,

@@ -29,6 +29,12 @@ MAX_SINK_TOKENS = 1 << 16
 MAX_PAGE_SIZE = 1 << 12
 MAX_PASS_GROUP_STEPS = 1 << 12  # decode steps a due request may wait for its pass
 MAX_QUERY_WINDOW_TOKENS = 1 << 12
+# The pass CUDA graphs' memory pool, taken out of the KV pool (``sglang_evict.pass_graphs``).
+# On an H200 the README's workload captured 12 pass shapes into 20 MiB (docs/performance.md,
+# "The pass replayed as a CUDA graph"): the default holds about ten times that, under
+# 0.3 % of an 80 GiB card.
+DEFAULT_PASS_GRAPH_POOL_MIB = 256
+MAX_PASS_GRAPH_POOL_MIB = 1 << 20
 # SGLang's request-to-token rows and the plugin's position table are int32.
 MAX_REQUEST_TOKENS = (1 << 31) - 1
 COMPACTORS = ("inprocess", "grpc")
@@ -123,6 +129,9 @@ class EvictionConfig:
         pass_cuda_graph: replay passes as CUDA graphs, one per bucketed pass shape
             (``sglang_evict.pass_graphs``); None (default): on where the KV pool is on
             a CUDA device, False: eager (``--kv-pass-cuda-graph`` / ``--no-...``).
+        pass_graph_pool_mib: the most memory the pass graphs may hold; a server with
+            pass graphs on takes it out of SGLang's KV pool, and shapes past it run
+            eagerly (``--kv-pass-graph-pool-mib``; ``sglang_evict.pass_graphs``).
 
     How per-head scores combine into one keep-set per request is a scorer parameter
     (``head_normalization``, ``head_reduction``; see ``sglang_evict.scorers.base``).
@@ -159,6 +168,7 @@ class EvictionConfig:
     pressure_passes: bool = True
     pass_group_steps: int | str = 1
     pass_cuda_graph: bool | None = None
+    pass_graph_pool_mib: int = DEFAULT_PASS_GRAPH_POOL_MIB
     _scorer: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -201,6 +211,7 @@ class EvictionConfig:
                 f"pass_cuda_graph must be true, false or unset (on for a CUDA pool), got "
                 f"{self.pass_cuda_graph!r}"
             )
+        _require_int("pass_graph_pool_mib", self.pass_graph_pool_mib, 1, MAX_PASS_GRAPH_POOL_MIB)
         _require_int("compactor_timeout_ms", self.compactor_timeout_ms, 1)
         self._check_compactor_transport()
         _require_int("lease_ttl_ms", self.lease_ttl_ms, 1)

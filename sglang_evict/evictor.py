@@ -223,7 +223,9 @@ class EvictionManager:
                 f"{self.device.type}); leave --kv-pass-cuda-graph off"
             )
         if config.pass_cuda_graph is not False and self.device.type == "cuda":
-            self.graphs = PassGraphs(self.device)
+            self.graphs = PassGraphs(
+                self.device, pool_limit_bytes=config.pass_graph_pool_mib * 2**20
+            )
         self.accumulated_by_row = None
         if self.scorer.carries_scores:
             self.accumulated_by_row = torch.zeros(

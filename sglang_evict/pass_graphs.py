@@ -22,10 +22,21 @@ tensor parallelism), run eagerly and are counted as misses
 (``sglang_evict:pass_graph_misses_total``). All graphs share one memory pool; the
 bytes it took are logged at each capture and exposed (``graph_pool_bytes``).
 
+The pool has a limit (``pool_limit_bytes``, ``--kv-pass-graph-pool-mib``), which the
+server takes out of SGLang's KV pool before the KV pool is allocated
+(``sglang_evict.srt.graph_pool``): the graphs never grow into memory SGLang gave the KV
+cache or its own decode graphs. A new shape is captured only while the pool plus the
+largest growth one capture has caused so far fits the limit (so the pool passes it by
+at most the first capture's growth, when that alone exceeds it); past it, the shape's
+passes run eagerly, counted as misses, and a warning names the flag once.
+
 Off CUDA (tests and the op-count bench on CPU) the same mechanism runs with the capture
 emulated: "capturing" keeps the body and "replaying" runs it on the key's static
 buffers, so everything but the CUDA graph itself (static buffers, keys, the clones,
-the misses) is exercised and counted without a GPU.
+the misses, the pool limit) is exercised and counted without a GPU. The emulated pool
+grows by the bytes of every tensor the key's first pass allocated (``AllocationTally``):
+the most a capture could take, since a real capture's pool reuses what its freed
+intermediates held.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang_evict.batch_pass.inputs import COLUMNS
 from sglang_evict.batch_pass.shapes import PassShape
@@ -71,6 +83,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph | None = None
     outputs: tuple[Tensor, Tensor] | None = None
     body: Body | None = None  # off CUDA: the captured body, run on replay
+    emulated_bytes: int = 0  # off CUDA: what the first pass allocated (the pool's growth)
     failed: bool = False  # the capture raised: passes of this key run eagerly
 
 
@@ -84,20 +97,31 @@ class PassGraphs:
     captures: int = 0
     replays: int = 0
     misses: int = 0
+    pool_limit_bytes: int | None = None  # None: no limit (module docstring)
     graph_pool_bytes: int = 0
+    largest_growth_bytes: int = 0  # the most one capture grew the pool
     _pool: object | None = None
+    _limit_warned: bool = False
 
     def report(self) -> dict:
+        limit = self.pool_limit_bytes
         return {
             "captured": len(self.entries),
             "replays": self.replays,
             "misses": self.misses,
             "graph_pool_mib": round(self.graph_pool_bytes / 2**20, 3),
+            "graph_pool_limit_mib": None if limit is None else round(limit / 2**20, 3),
         }
 
     def will_capture(self, key: PassKey) -> bool:
         """Whether a pass of ``key`` run now is its first (eager, then captured)."""
-        return key not in self.entries and len(self.entries) < self.max_graphs
+        return key not in self.entries and self._room_for_a_capture()
+
+    def _room_for_a_capture(self) -> bool:
+        if len(self.entries) >= self.max_graphs:
+            return False
+        limit = self.pool_limit_bytes
+        return limit is None or self.graph_pool_bytes + self.largest_growth_bytes <= limit
 
     def miss(self) -> None:
         """Count a pass that ran eagerly although graphs are on."""
@@ -111,12 +135,18 @@ class PassGraphs:
         The returned tensors are the caller's (clones of the graph's outputs)."""
         entry = self.entries.get(key)
         if entry is None:
-            if len(self.entries) >= self.max_graphs:
+            if not self._room_for_a_capture():
                 self.misses += 1
+                self._warn_full(key)
                 return body(*self._eager_inputs(key, packed_host, claimed))
             entry = self._new_entry(key)
             self._fill(entry, packed_host, claimed)
-            outputs = body(entry.packed, entry.claimed)
+            if self.on_cuda:
+                outputs = body(entry.packed, entry.claimed)
+            else:
+                with AllocationTally() as tally:
+                    outputs = body(entry.packed, entry.claimed)
+                entry.emulated_bytes = tally.bytes
             # The pass above has run and must commit: a capture that fails leaves this
             # key eager (and counted), never the pass undone.
             try:
@@ -180,10 +210,36 @@ class PassGraphs:
         if claimed is not None and claimed.numel():
             entry.claimed[: claimed.numel()].copy_(claimed)
 
+    def _warn_full(self, key: PassKey) -> None:
+        if self._limit_warned:
+            return
+        self._limit_warned = True
+        if len(self.entries) >= self.max_graphs:
+            why = f"{self.max_graphs} pass shapes are captured, the most a server keeps"
+        else:
+            why = (
+                f"their memory pool holds {self.graph_pool_bytes / 2**20:.1f} MiB of its "
+                f"{self.pool_limit_bytes / 2**20:.1f} MiB and a capture has taken up to "
+                f"{self.largest_growth_bytes / 2**20:.1f} MiB; raise --kv-pass-graph-pool-mib "
+                f"to capture more"
+            )
+        logger.warning(
+            "sglang-evict: passes of %d request(s), width %d and other new shapes run "
+            "eagerly from now on (counted in sglang_evict:pass_graph_misses_total): %s",
+            key.shape.requests,
+            key.shape.width,
+            why,
+        )
+
+    def _grew(self, growth_bytes: int) -> None:
+        self.graph_pool_bytes += growth_bytes
+        self.largest_growth_bytes = max(self.largest_growth_bytes, growth_bytes)
+
     def _capture(self, key: PassKey, entry: _Captured, body: Body) -> None:
         self.captures += 1
         if not self.on_cuda:
             entry.body = body
+            self._grew(entry.emulated_bytes)
             return
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -193,7 +249,7 @@ class PassGraphs:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             entry.outputs = body(entry.packed, entry.claimed)
         entry.graph = graph
-        self.graph_pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+        self._grew(max(0, torch.cuda.memory_reserved(self.device) - before))
         logger.info(
             "sglang-evict: pass captured as a CUDA graph (%d requests, width %d, scorer %s, "
             "%s); %d graph(s), their memory pool %.1f MiB",
@@ -204,3 +260,30 @@ class PassGraphs:
             len(self.entries) + 1,
             self.graph_pool_bytes / 2**20,
         )
+
+
+class AllocationTally(TorchDispatchMode):
+    """The bytes of every storage the operations run under it create (views and
+    in-place writes create none): off CUDA, what a capture of those operations could
+    take from a graph pool at most."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        known = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in known:  # a new storage, not a view or an in-place write
+                known.add(ptr)
+                self.bytes += storage.nbytes()
+        return out
+
+
+def _tensors(tree) -> list[Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]

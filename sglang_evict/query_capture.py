@@ -102,6 +102,16 @@ def kv_tokens_for(num_bytes: int, kv_bytes_per_token: int, page_size: int) -> in
     return pages * page_size
 
 
+def pool_after_reserving(
+    pool_tokens: int, num_bytes: int, kv_bytes_per_token: int, page_size: int
+) -> tuple[int, int]:
+    """``(reserved, left)``: the KV tokens ``num_bytes`` take out of a pool of
+    ``pool_tokens`` (``kv_tokens_for``) and the whole pages left (possibly < 1 page: the
+    caller refuses that, naming its flags)."""
+    reserved = kv_tokens_for(num_bytes, kv_bytes_per_token, page_size)
+    return reserved, (pool_tokens - reserved) // page_size * page_size
+
+
 def extend_rows(
     request_rows: Tensor,
     extend_start: Tensor,

@@ -108,6 +108,7 @@ def test_pass_bench_dispatches_as_many_operations_whatever_the_budget_and_due_re
     replayed = [line.split() for line in lines[header + 1 : header + 5]]
     assert [(int(r[0]), int(r[1])) for r in replayed] == [(256, 1), (256, 5), (1024, 1), (1024, 5)]
     assert all(0 < float(r[5]) <= float(r[3]) for r in replayed), lines  # outside <= whole
+    assert all(float(r[6]) > 0 for r in replayed), lines  # the shape's pool growth
     outside = {int(r[-1]) for r in replayed}
     assert len(outside) == 1 and outside.pop() <= 10, lines
 

@@ -1,23 +1,24 @@
-"""``--kv-pass-group-steps auto`` (``sglang_evict.pass_grouping``) and
-``--kv-pass-cuda-graph``: the choice's arithmetic, its re-choosing, the flags, the
-admission bound and the refusals."""
+"""``--kv-pass-group-steps auto`` (``sglang_evict.pass_grouping``),
+``--kv-pass-cuda-graph`` and ``--kv-pass-graph-pool-mib``: the choice's arithmetic, its
+re-choosing, the flags, the admission bound and the refusals."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 from sglang.srt.server_args import ServerArgs
 
 from sglang_evict.cli_flags import add_policy_flags, config_from_args
-from sglang_evict.config import EvictionConfig
+from sglang_evict.config import DEFAULT_PASS_GRAPH_POOL_MIB, EvictionConfig
 from sglang_evict.pass_grouping import (
     AUTO_MAX_GROUP_STEPS,
     RECHOOSE_STEPS,
     GroupChoice,
     choose_group_steps,
 )
-from sglang_evict.srt.server_args import startup_problems
+from sglang_evict.srt.server_args import CONFIG_ENV, config_from_env, startup_problems
 
 
 def test_the_choice_is_the_smallest_group_keeping_passes_under_one_percent():
@@ -62,6 +63,21 @@ def test_the_flags_take_auto_and_the_graph_switch_and_refuse_the_rest():
         EvictionConfig(kv_budget_tokens=1024, pass_group_steps="often")
     with pytest.raises(ValueError, match="pass_cuda_graph must be true, false or unset"):
         EvictionConfig(kv_budget_tokens=1024, pass_cuda_graph="yes")
+
+
+def test_the_flag_sets_the_limit_and_reaches_the_server_through_its_policy():
+    assert parse().pass_graph_pool_mib == DEFAULT_PASS_GRAPH_POOL_MIB
+    config = parse("--kv-pass-graph-pool-mib", "64")
+    assert config.pass_graph_pool_mib == 64
+    assert config_from_env(1, {CONFIG_ENV: config.to_json()}).pass_graph_pool_mib == 64
+    for bad in ("0", "-3", "lots"):
+        with pytest.raises(argparse.ArgumentError):
+            parse("--kv-pass-graph-pool-mib", bad)
+    with pytest.raises(ValueError, match=r"pass_graph_pool_mib=0 is out of range"):
+        EvictionConfig(kv_budget_tokens=1024, pass_graph_pool_mib=0)
+    with pytest.raises(ValueError, match="pass_graph_pool_mib must be an integer"):
+        policy = {"kv_budget_tokens": 1024, "pass_graph_pool_mib": 1.5}
+        config_from_env(1, {CONFIG_ENV: json.dumps(policy)})
 
 
 def test_pass_graphs_are_refused_without_sglangs_graphs_or_off_cuda():

@@ -236,6 +236,20 @@ def count_ops():
     return module.CountOps()
 
 
+def eager_and_graphed(config: EvictionConfig, lengths: list[int], seed: int, page_size=16):
+    """Two managers over identical pools holding rows of ``lengths`` tokens: one eager,
+    one with pass graphs (emulated off CUDA); returns ``(eager pool, eager, graphed
+    pool, graphed)``."""
+    eager_pool = make_pool(page_size, len(lengths), seed=seed)
+    for r, length in enumerate(lengths):
+        append_tokens(eager_pool, r, 0, length)
+    graphed_pool = clone_pool(eager_pool)
+    eager = manager_for(eager_pool, config, static=True)
+    graphed = manager_for(graphed_pool, config, static=True)
+    graphed.graphs = PassGraphs(torch.device("cpu"))
+    return eager_pool, eager, graphed_pool, graphed
+
+
 @pytest.mark.parametrize("compaction", ["hole_fill", "repack"])
 @pytest.mark.parametrize("scorer", ["knorm", "streaming"])
 def test_replayed_passes_equal_eager_ones_and_dispatch_little_outside_the_replay(
@@ -251,13 +265,9 @@ def test_replayed_passes_equal_eager_ones_and_dispatch_little_outside_the_replay
     config = small_config(
         kv_budget_tokens=96, cadence_tokens=32, compaction=compaction, scorer=scorer
     )
-    eager_pool = make_pool(page_size, rows, seed=7)
-    for r in range(rows):
-        append_tokens(eager_pool, r, 0, 128 + 8 * r)
-    replay_pool = clone_pool(eager_pool)
-    eager = manager_for(eager_pool, config, static=True)
-    replayed = manager_for(replay_pool, config, static=True)
-    replayed.graphs = PassGraphs(torch.device("cpu"))
+    eager_pool, eager, replay_pool, replayed = eager_and_graphed(
+        config, [128 + 8 * r for r in range(rows)], seed=7, page_size=page_size
+    )
     counter = count_ops()
     replayed._device_pass = counter.outside_of(replayed._device_pass)
     lengths = {r: 128 + 8 * r for r in range(rows)}
@@ -291,13 +301,7 @@ def test_a_capture_that_fails_leaves_its_shape_eager_and_the_pass_committed(monk
     shape's first pass ran: that pass commits, and later passes of the shape run
     eagerly, counted as misses; the outcome equals eager passes throughout."""
     config = small_config()
-    eager_pool = make_pool(16, 2, seed=11)
-    for r in range(2):
-        append_tokens(eager_pool, r, 0, 80)
-    other_pool = clone_pool(eager_pool)
-    eager = manager_for(eager_pool, config, static=True)
-    broken = manager_for(other_pool, config, static=True)
-    broken.graphs = PassGraphs(torch.device("cpu"))
+    eager_pool, eager, other_pool, broken = eager_and_graphed(config, [80, 80], seed=11)
 
     def refuse(*_args):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -334,6 +338,42 @@ def test_passes_that_cannot_be_replayed_run_eagerly_and_are_counted():
     assert manager.graphs.misses == 1 and manager.graphs.captures == 0
     manager.check_request("a", 64)
     manager.check_request("b", 64)
+
+
+def test_shapes_past_the_graph_pool_limit_run_eagerly_counted_and_warned(caplog):
+    """The graphs' pool has a limit (``--kv-pass-graph-pool-mib``, taken out of the KV
+    pool): a new shape is captured only while the pool plus the largest growth so far
+    fits it. Past it the shape's passes run eagerly, equal to eager passes, counted as
+    misses, and one warning names the flag (graphs emulated off CUDA: the pool grows by
+    what the shape's first pass allocated)."""
+    page_size, rows = 16, 3
+    config = small_config(kv_budget_tokens=96, cadence_tokens=32)
+    eager_pool, eager, limited_pool, limited = eager_and_graphed(
+        config, [128 + 8 * r for r in range(rows)], seed=9, page_size=page_size
+    )
+    graphs = limited.graphs
+    lengths = {r: 128 + 8 * r for r in range(rows)}
+    for step in range(4):
+        due = [DueRequest(f"r{r}", r, lengths[r], 0, 0) for r in range(rows)]
+        with caplog.at_level("WARNING", logger="sglang_evict.pass_graphs"):
+            assert_same(eager, limited, eager.run_batch_pass(due), limited.run_batch_pass(due))
+        if step == 0:  # one shape captured: the pool is full from here on
+            assert graphs.captures == 1 and graphs.graph_pool_bytes > 0
+            assert graphs.largest_growth_bytes == graphs.graph_pool_bytes
+            graphs.pool_limit_bytes = graphs.graph_pool_bytes
+        for r in range(rows):
+            lengths[r] = 96
+            limited.check_request(f"r{r}", 96)
+            append_tokens(eager_pool, r, 96, 32)
+            append_tokens(limited_pool, r, 96, 32)
+            lengths[r] = 128
+    # The steady state's shape differs from the first pass's: never captured.
+    assert graphs.captures == 1 and len(graphs.entries) == 1
+    assert graphs.misses == 3 and graphs.replays == 0
+    warnings = [r.getMessage() for r in caplog.records if "eagerly from now on" in r.getMessage()]
+    assert len(warnings) == 1 and "--kv-pass-graph-pool-mib" in warnings[0], warnings
+    report = graphs.report()
+    assert report["graph_pool_limit_mib"] == round(graphs.graph_pool_bytes / 2**20, 3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")

@@ -17,6 +17,8 @@ what differs between the two is in ``versioned``, nowhere else. Everything else 
     capture         queries copied into the query ring        AttentionBackend.forward,
                     inside the attention; the ring's KV-pool  KVCacheConfigurator,
                     reservation                               ModelRunner
+    graph_pool      the pass CUDA graphs' memory pool         KVCacheConfigurator
+                    counted against the KV pool
     backend         EvictingRadixCache + registered factory   RadixCache, TreeNode
     hooks           decode-step passes, decode positions      ScheduleBatch, ForwardBatch
     admission       admission and retraction see an evicting  PrefillAdder, ScheduleBatch
@@ -107,6 +109,7 @@ def install() -> None:
         _after_resolve_memory_pool_config,
         _before_attention_forward,
     )
+    from sglang_evict.srt.graph_pool import _after_resolve_memory_pool_config_graph_pool
     from sglang_evict.srt.hooks import (
         HOOK_FORWARD_BATCH_INIT,
         HOOK_PREPARE_FOR_DECODE,
@@ -137,6 +140,9 @@ def install() -> None:
     HookRegistry.register(HOOK_VALIDATE_REQUEST, _after_validate_one_request, HookType.AFTER)
     HookRegistry.register(HOOK_ADD_REQUEST_TO_QUEUE, _before_add_request_to_queue, HookType.BEFORE)
     HookRegistry.register(HOOK_RESOLVE_POOL, _after_resolve_memory_pool_config, HookType.AFTER)
+    HookRegistry.register(
+        HOOK_RESOLVE_POOL, _after_resolve_memory_pool_config_graph_pool, HookType.AFTER
+    )
     HookRegistry.register(HOOK_ALLOC_POOL, _after_alloc_memory_pool, HookType.AFTER)
     HookRegistry.register(HOOK_ATTENTION_FORWARD, _before_attention_forward, HookType.BEFORE)
     HookRegistry.register(HOOK_RUNNING_OFFSET, _after_running_offset, HookType.AFTER)

@@ -13,6 +13,7 @@ from torch import Tensor
 from sglang_evict.config import EvictionConfig
 from sglang_evict.srt import capture
 from sglang_evict.srt.active import Active, EvictingCache
+from sglang_evict.srt.graph_pool import pass_graphs_on
 from sglang_evict.srt.introspection import log_passes_enabled, log_request
 from sglang_evict.srt.manager import forward_stream_of, make_manager
 from sglang_evict.srt.pools import free_slots
@@ -115,7 +116,7 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
     check_startup(ctx.server_args, config, model_facts_of_context(ctx))
     cache = EvictingRadixCache(ctx.params, config)
     cache.evictor.request_limits = request_limits(config, ctx.tp_size)
-    if config.pass_cuda_graph is None and getattr(ctx.server_args, "disable_cuda_graph", False):
+    if not pass_graphs_on(config, ctx.server_args, cache.evictor.device):
         cache.evictor.graphs = None  # default: pass graphs only beside SGLang's own
     # Passes wait, on the device, for the in-flight forward on this stream.
     cache.evictor.forward_stream = forward_stream_of(ctx.tp_worker)
@@ -150,6 +151,10 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
         capture.STATE.attention_backend,
         plan.describe() if plan is not None else "query capture off (the scorer reads no queries)",
         config.pass_group_steps,
-        "replayed as CUDA graphs" if cache.evictor.graphs is not None else "eager",
+        (
+            f"replayed as CUDA graphs (their pool at most {config.pass_graph_pool_mib} MiB)"
+            if cache.evictor.graphs is not None
+            else "eager"
+        ),
     )
     return cache

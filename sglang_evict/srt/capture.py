@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.query_capture import QueryRing, RingShape, kv_tokens_for
+from sglang_evict.query_capture import QueryRing, RingShape, pool_after_reserving
 from sglang_evict.srt.versioned import attention_tp_size, req_kv
 
 logger = logging.getLogger(__name__)
@@ -95,19 +95,31 @@ class _Capture:
 STATE = _Capture()
 
 
-def capture_policy(server_args, page_size: int) -> EvictionConfig | None:
-    """The policy when this server runs the plugin with a query-reading scorer, else
-    None (also when the policy is missing or invalid: the cache factory refuses that
-    server with the fix)."""
+def plugin_policy(server_args, page_size: int) -> EvictionConfig | None:
+    """The policy when this server runs the plugin, else None (also when the policy is
+    missing or invalid: the cache factory refuses that server with the fix)."""
     from sglang_evict.srt.server_args import BACKEND_NAME, config_from_env
 
     if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME:
         return None
     try:
-        config = config_from_env(page_size)
+        return config_from_env(page_size)
     except ValueError:
         return None
-    return config if config.make_scorer().needs_queries else None
+
+
+def capture_policy(server_args, page_size: int) -> EvictionConfig | None:
+    """The policy when this server runs the plugin with a query-reading scorer, else
+    None (``plugin_policy``)."""
+    config = plugin_policy(server_args, page_size)
+    return config if config is not None and config.make_scorer().needs_queries else None
+
+
+def kv_bytes_per_token_of(model_config, tp_size: int, num_layers: int, kv_cache_dtype) -> int:
+    """SGLang's own bytes per KV token of an MHA pool (pool_configurator's cell size)."""
+    kv_heads = model_config.get_num_kv_heads(tp_size)
+    kv_element = torch.empty((), dtype=kv_cache_dtype).element_size()
+    return kv_heads * (model_config.head_dim + model_config.v_head_dim) * num_layers * kv_element
 
 
 def plan_capture(
@@ -124,12 +136,7 @@ def plan_capture(
 ) -> CapturePlan:
     """The ring for this model and request pool, and the KV pool left beside it.
     Raises ``ValueError`` naming the flags when the ring leaves no pool."""
-    kv_heads = model_config.get_num_kv_heads(tp_size)
-    kv_element = torch.empty((), dtype=kv_cache_dtype).element_size()
-    # SGLang's own bytes per KV token of an MHA pool (pool_configurator's cell size).
-    kv_bytes_per_token = (
-        kv_heads * (model_config.head_dim + model_config.v_head_dim) * num_layers * kv_element
-    )
+    kv_bytes_per_token = kv_bytes_per_token_of(model_config, tp_size, num_layers, kv_cache_dtype)
     shape = RingShape(
         num_layers=num_layers,
         num_request_rows=num_request_rows,
@@ -138,8 +145,9 @@ def plan_capture(
         head_dim=model_config.head_dim,
         dtype=model_dtype,
     )
-    reserved = kv_tokens_for(shape.total_bytes, kv_bytes_per_token, page_size)
-    after = (pool_tokens - reserved) // page_size * page_size
+    reserved, after = pool_after_reserving(
+        pool_tokens, shape.total_bytes, kv_bytes_per_token, page_size
+    )
     if after < page_size:
         raise ValueError(
             f"--kv-scorer {config.scorer} keeps the last {shape.window} queries of each of "
