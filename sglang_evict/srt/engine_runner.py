@@ -41,6 +41,10 @@ PASS_LINE_PREFIX = "sglang-evict pass "
 REQUEST_LINE_PREFIX = "sglang-evict request "  # introspection.REQUEST_LINE_PREFIX
 _AUTHKEY_ENV = "SGLANG_EVICT_ENGINE_RUNNER_KEY"
 START_TIMEOUT_S = 600.0
+# SGLang picks its torch.distributed port free, then binds it in another process: an
+# engine starting beside another (parallel tests, side-by-side benches) can lose that
+# race and die with this in its log. Such a start is relaunched once, on new ports.
+PORT_CLASH = "EADDRINUSE"
 
 
 def cpu_engine_kwargs(model_path: str | os.PathLike, **overrides) -> dict:
@@ -163,6 +167,19 @@ class EngineProcess:
         self._payload = json.dumps(self.engine_kwargs)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> EngineProcess:
+        """Wait for the launched engine; a start that lost a port race is relaunched
+        once (``PORT_CLASH``)."""
+        try:
+            return self._wait_ready_once(timeout_s)
+        except EngineError as error:
+            if PORT_CLASH not in str(error):
+                raise
+        self.launch()
+        self._log_file.write(b"sglang-evict: engine start retried after a port clash\n")
+        self._log_file.flush()
+        return self._wait_ready_once(timeout_s)
+
+    def _wait_ready_once(self, timeout_s: float) -> EngineProcess:
         self._listener._listener._socket.settimeout(timeout_s)
         try:
             self.connection = self._listener.accept()
