@@ -93,6 +93,8 @@ SGLANG_FACING = {
     "test_import_rule.py",
     "test_metrics_endpoint.py",
     "test_pass_faults.py",
+    "test_pass_graph_pool.py",
+    "test_pass_grouping.py",
     "test_plugin.py",
     "test_quality.py",
     "test_query_capture.py",

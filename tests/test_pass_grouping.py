@@ -19,6 +19,7 @@ from sglang_evict.pass_grouping import (
     choose_group_steps,
 )
 from sglang_evict.srt.server_args import CONFIG_ENV, config_from_env, startup_problems
+from sglang_evict.srt.versioned import IS_0_5_23
 
 
 def test_the_choice_is_the_smallest_group_keeping_passes_under_one_percent():
@@ -90,6 +91,23 @@ def test_pass_graphs_are_refused_without_sglangs_graphs_or_off_cuda():
     assert "needs a CUDA device" in problem
     default = EvictionConfig(kv_budget_tokens=1024, scorer="knorm")
     assert startup_problems(off, default) == [] and startup_problems(cpu, default) == []
+
+
+@pytest.mark.skipif(not IS_0_5_23, reason="SGLang 0.5.23's flag (0.5.17 has none)")
+def test_pass_graphs_are_refused_when_sglangs_decode_graph_backend_is_disabled():
+    """0.5.23 turns decode graphs off with ``--cuda-graph-backend-decode disabled``,
+    which leaves ``disable_cuda_graph`` False: the refusal and the reservation see it."""
+    from sglang_evict.srt.graph_pool import pass_graphs_on
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    argv = ["--model-path", "dummy", "--device", "cuda", "--cuda-graph-backend-decode", "disabled"]
+    off = ServerArgs.from_cli_args(parser.parse_args(argv))
+    forced = EvictionConfig(kv_budget_tokens=1024, scorer="knorm", pass_cuda_graph=True)
+    (problem,) = startup_problems(off, forced)
+    assert "--cuda-graph-backend-decode disabled" in problem
+    default = EvictionConfig(kv_budget_tokens=1024, scorer="knorm")
+    assert not pass_graphs_on(default, off, "cuda")
 
 
 def test_a_manager_off_cuda_refuses_pass_graphs_and_groups_by_its_choice():

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from sglang_evict.config import EvictionConfig
 from sglang_evict.query_capture import pool_after_reserving
 from sglang_evict.srt.capture import kv_bytes_per_token_of, plugin_policy
-from sglang_evict.srt.versioned import attention_tp_size
+from sglang_evict.srt.versioned import attention_tp_size, decode_cuda_graphs_off
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def pass_graphs_on(config: EvictionConfig, server_args, device) -> bool:
         return False
     if not str(device).startswith("cuda"):
         return False
-    return not getattr(server_args, "disable_cuda_graph", False)
+    return not decode_cuda_graphs_off(server_args)
 
 
 @dataclass(frozen=True)

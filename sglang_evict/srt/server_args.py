@@ -22,6 +22,7 @@ from pathlib import Path
 from sglang_evict.config import EvictionConfig
 from sglang_evict.scorers import SCORERS
 from sglang_evict.srt.tp import RANK_INDEPENDENT_SCORERS, TP_REDUCED_SCORERS
+from sglang_evict.srt.versioned import decode_cuda_graphs_off
 
 BACKEND_NAME = "sglang-evict"
 # The policy reaches SGLang's scheduler processes through the environment (they inherit
@@ -283,10 +284,11 @@ def startup_problems(
         )
     if config.pass_cuda_graph:
         device = getattr(server_args, "device", None)
-        if getattr(server_args, "disable_cuda_graph", False):
+        if decode_cuda_graphs_off(server_args):
             problems.append(
                 "--kv-pass-cuda-graph replays passes beside SGLang's decode CUDA graphs, "
-                "which --disable-cuda-graph turns off; remove one of the two"
+                "which --disable-cuda-graph (or --cuda-graph-backend-decode disabled) turns "
+                "off; remove one of the two"
             )
         elif device not in (None, "cuda"):
             problems.append(

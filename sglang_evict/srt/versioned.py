@@ -159,6 +159,15 @@ def attention_tp_size(configurator) -> int:
     return configurator.ps.attn_tp_size
 
 
+def decode_cuda_graphs_off(server_args) -> bool:
+    """Whether SGLang's decode CUDA graphs are off: ``--disable-cuda-graph`` on both
+    releases; on 0.5.23 also ``--cuda-graph-backend-decode disabled``, which leaves
+    ``disable_cuda_graph`` False."""
+    if getattr(server_args, "disable_cuda_graph", False):
+        return True
+    return IS_0_5_23 and getattr(server_args, "cuda_graph_backend_decode", None) == "disabled"
+
+
 # --- the radix cache's request lifecycle -------------------------------------------------
 
 
