@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from sglang_evict.batch_pass.inputs import COLUMNS
 from sglang_evict.batch_pass.shapes import PassShape
@@ -284,6 +285,4 @@ class AllocationTally(TorchDispatchMode):
 
 
 def _tensors(tree) -> list[Tensor]:
-    from torch.utils._pytree import tree_leaves
-
     return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]

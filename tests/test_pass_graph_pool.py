@@ -94,7 +94,6 @@ def test_the_hook_sizes_sglangs_kv_pool_down_by_the_limit(
     kv_bytes = 3 * (64 + 64) * 30 * 2
     taken = 200_000 - pool_config.max_total_num_tokens
     assert taken % 16 == 0 and taken * kv_bytes >= limit_bytes > (taken - 16) * kv_bytes
-    assert graph_pool.STATE.plan.pool_tokens_after == pool_config.max_total_num_tokens
 
 
 def test_the_emulated_pool_counts_new_storages_not_views_or_in_place_writes():

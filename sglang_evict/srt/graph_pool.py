@@ -80,22 +80,11 @@ def plan_graph_pool(
     return GraphPoolPlan(limit_bytes, kv_bytes_per_token, pool_tokens, after)
 
 
-@dataclass
-class _Reservation:
-    """This scheduler process's reservation (one model runner per process)."""
-
-    plan: GraphPoolPlan | None = None
-
-
-STATE = _Reservation()
-
-
 def _after_resolve_memory_pool_config_graph_pool(pool_config, configurator, *args, **kwargs):
     """Shrink the KV pool by the pass graphs' pool limit
     (``KVCacheConfigurator._resolve_memory_pool_config``, AFTER)."""
     if configurator.is_draft_worker:  # the target's manager runs the passes
         return pool_config
-    STATE.plan = None
     server_args = configurator.server_args
     config = plugin_policy(server_args, configurator.page_size)
     if config is None or not pass_graphs_on(config, server_args, configurator.device):
@@ -112,6 +101,5 @@ def _after_resolve_memory_pool_config_graph_pool(pool_config, configurator, *arg
         page_size=configurator.page_size,
     )
     pool_config.max_total_num_tokens = plan.pool_tokens_after
-    STATE.plan = plan
     logger.info("sglang-evict %s", plan.describe())
     return pool_config
