@@ -34,7 +34,7 @@ from compactor_service.compactor import InProcessCompactor  # noqa: E402
 from compactor_service.cuda_ipc import export_cuda_buffers  # noqa: E402
 from compactor_service.health import check_health, socket_target  # noqa: E402
 from compactor_service.shared_pool import create_shared_buffers  # noqa: E402
-from sglang_evict.planner import plan_compaction  # noqa: E402
+from sglang_evict.passes.planner import plan_compaction  # noqa: E402
 
 
 def make_plans(num_requests: int, tokens: int, keep: float, page_size: int, seed: int):

@@ -21,7 +21,7 @@ number of requests. ``done ms/req`` is the batched pass until the device finishe
 per request does not depend on how many are due).
 
 A second table compares the static-shape pass run eagerly with the same pass replayed
-(``sglang_evict.pass_graphs``: a CUDA graph per shape on a GPU; off CUDA the capture is
+(``sglang_evict.passes.graphs``: a CUDA graph per shape on a GPU; off CUDA the capture is
 emulated, so the CPU table's replay column still runs the device work on the host):
 host time per pass, and the tensor operations a replayed pass dispatches outside the
 replay (on a GPU the replay itself is one launch).
@@ -47,14 +47,14 @@ sys.path[:0] = [
     os.path.join(os.path.dirname(__file__), "..", "kernels"),
 ]
 
-from sglang_evict.batch_pass.counts import ceil_div  # noqa: E402
 from sglang_evict.config import EvictionConfig  # noqa: E402
-from sglang_evict.evictor import DueRequest, EvictionManager  # noqa: E402
-from sglang_evict.pass_graphs import PassGraphs  # noqa: E402
-from sglang_evict.planner import fresh_pages_needed, plan_compaction  # noqa: E402
+from sglang_evict.passes.batch.counts import ceil_div  # noqa: E402
+from sglang_evict.passes.graphs import PassGraphs  # noqa: E402
+from sglang_evict.passes.manager import DueRequest, EvictionManager  # noqa: E402
+from sglang_evict.passes.planner import fresh_pages_needed, plan_compaction  # noqa: E402
+from sglang_evict.passes.selection import protected_mask, select_survivors  # noqa: E402
+from sglang_evict.passes.tensor_pool import TensorPool  # noqa: E402
 from sglang_evict.scorers import KVView  # noqa: E402
-from sglang_evict.selection import protected_mask, select_survivors  # noqa: E402
-from sglang_evict.tensor_pool import TensorPool  # noqa: E402
 from sglang_evict_kernels import repack_kv_reference  # noqa: E402
 
 PROMPT_TOKENS = 64  # also the shared (tree-owned) prefix

@@ -31,10 +31,10 @@ def one_pass(args) -> dict:
     import torch
     from bench_pass import fill_rows  # this script's directory is on the path
 
-    from sglang_evict.batch_pass.counts import ceil_div
     from sglang_evict.config import EvictionConfig
-    from sglang_evict.evictor import DueRequest, EvictionManager
-    from sglang_evict.tensor_pool import TensorPool
+    from sglang_evict.passes.batch.counts import ceil_div
+    from sglang_evict.passes.manager import DueRequest, EvictionManager
+    from sglang_evict.passes.tensor_pool import TensorPool
 
     torch.set_num_threads(1)
     P, R, kv_len = args.page_size, args.requests, args.budget + args.cadence

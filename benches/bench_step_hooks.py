@@ -47,7 +47,7 @@ from bench_pass import (  # noqa: E402
 )
 
 from sglang_evict.metrics import EvictionMetrics  # noqa: E402
-from sglang_evict.pass_state import RequestState  # noqa: E402
+from sglang_evict.passes.state import RequestState  # noqa: E402
 from sglang_evict.request_policy import RequestPolicy  # noqa: E402
 from sglang_evict.srt.active import Active  # noqa: E402
 from sglang_evict.srt.hooks import (  # noqa: E402

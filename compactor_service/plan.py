@@ -7,7 +7,7 @@ scheduler then commits ``new_row``/``new_positions`` and frees ``freed_pages``.
 
 ``validate_structure`` checks what can be checked from the plan alone (the compactor
 runs it on every request before any byte moves); the planner's full invariants, which
-also need the pre-pass row and the survivor set, live in ``sglang_evict.planner``.
+also need the pre-pass row and the survivor set, live in ``sglang_evict.passes.planner``.
 
 What the compactor can know about slot ownership, and so checks (everything else in a
 plan is the scheduler's word):

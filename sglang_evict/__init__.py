@@ -1,3 +1,41 @@
-"""sglang-evict: decode-time KV-cache token eviction for SGLang that returns real memory."""
+"""sglang-evict: decode-time KV-cache token eviction for SGLang that returns real memory.
+
+The top of the package holds the entry points and the layers; each layer that has
+parts is a package with its own table.
+
+    entry points      job
+    plugin            SGLang's plugin entry point (group ``sglang.srt.plugins``)
+    console, cli      the ``sglang-evict`` command and its subcommands
+    cli_flags         the eviction flags every subcommand shares -> ``EvictionConfig``
+    serve_checks      what ``serve`` and ``calibrate`` refuse before starting
+    demo              ``sglang-evict demo``: SGLang's engine with and without eviction
+    router            ``sglang-evict router``: SGLang's router before evicting replicas
+    calibrate         ``sglang-evict calibrate``: ``triattention``'s statistics
+
+    layers (pure first)  job
+    config            one policy's knobs, validated once
+    request_policy    one request's policy within the server's limits; its KV bound
+    admission         how much KV an evicting request can still take (host ints)
+    scorers/          how important each cached token is (one scorer a file)
+    passes/           the eviction pass: policy (``passes.batch``, ``selection``,
+                      ``planner``) and the mechanism that owns per-request state
+                      (``passes.manager``)
+    query_capture     the query ring the query-reading scorers read
+    metrics           the plugin's Prometheus metrics
+    srt/              everything that touches SGLang internals (the only package)
+    quality/          the two quality evaluations (reference model, real model)
+
+    models and helpers  job
+    engine_model      the tiny random-weight model built offline for the engine
+    real_model        SmolLM2-135M-Instruct and the essays, from PyPI
+    reference_model   ``PagedLlama``: a model whose attention reads a paged KV pool
+    reference_loop    greedy generation through SGLang's memory classes (CPU)
+    plotting          headless matplotlib for the PNGs
+    triton_env        Triton's interpreter on a machine without a GPU
+    warnings_filter   third-party notices silenced in one place
+
+Import rule (``tests/test_import_rule.py``): only ``srt`` imports ``sglang``; no import
+circles; the policy modules of ``passes`` import none of its mechanism.
+"""
 
 __version__ = "0.1.0"

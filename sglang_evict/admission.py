@@ -8,7 +8,7 @@ holds more than
     peak = max(kv_now, survivors_cap + cadence + pass_group_steps - 1) + page_size
 
 tokens, where ``survivors_cap = max(budget, lead_end + window)`` is the most a pass
-ever keeps (``sglang_evict.batch_pass.counts``: the protected leading range
+ever keeps (``sglang_evict.passes.batch.counts``: the protected leading range
 ``[0, lead_end)`` and the recent window, or the budget when larger). A pass is due
 once the request holds ``cadence`` tokens more than a pass would keep, so between two
 passes it grows by less than ``cadence``; a step that finds a pass due runs it before
@@ -35,7 +35,7 @@ ADMISSIONS = ("bounded", "sglang")
 def survivors_cap(*, lead_end: int, window_tokens: int, budget: int) -> int:
     """The most tokens a pass ever leaves a request: its budget, or its protected
     tokens when they alone exceed it (the leading range ``[0, lead_end)`` of
-    ``sglang_evict.batch_pass.counts`` is fixed for the request's life, and the recent
+    ``sglang_evict.passes.batch.counts`` is fixed for the request's life, and the recent
     window is ``window_tokens`` long)."""
     return max(budget, lead_end + window_tokens)
 

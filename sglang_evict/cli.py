@@ -38,13 +38,13 @@ from sglang_evict.cli_flags import (
     int_flag,
 )
 from sglang_evict.config import COMPACTION_STRATEGIES, MAX_PAGE_SIZE
-from sglang_evict.planner import (
+from sglang_evict.passes.planner import (
     fresh_pages_needed,
     pages_freed_without_compaction,
     plan_compaction,
 )
+from sglang_evict.passes.selection import protected_mask, select_survivors
 from sglang_evict.scorers import KVView
-from sglang_evict.selection import protected_mask, select_survivors
 from sglang_evict.serve_checks import check_compactor_paths, check_model_config, check_output_file
 from sglang_evict.triton_env import use_triton_interpreter_without_gpu
 

@@ -22,7 +22,7 @@ from sglang_evict.config import (
     MAX_SINK_TOKENS,
     EvictionConfig,
 )
-from sglang_evict.pass_grouping import AUTO, AUTO_MAX_GROUP_STEPS
+from sglang_evict.passes.grouping import AUTO, AUTO_MAX_GROUP_STEPS
 from sglang_evict.scorers import SCORERS, needs_calibration
 
 # The largest value any integer flag takes. SGLang's token positions and request-to-token

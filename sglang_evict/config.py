@@ -21,15 +21,15 @@ from typing import Any
 from compactor_service.runtime_dir import DEFAULT_POOL_DIR, DEFAULT_SOCKET
 from compactor_service.secrets import check_redis_url, redact_url
 from sglang_evict.admission import ADMISSIONS
-from sglang_evict.pass_grouping import AUTO, AUTO_MAX_GROUP_STEPS
-from sglang_evict.planner import STRATEGIES as COMPACTION_STRATEGIES  # one definition
+from sglang_evict.passes.grouping import AUTO, AUTO_MAX_GROUP_STEPS
+from sglang_evict.passes.planner import STRATEGIES as COMPACTION_STRATEGIES  # one definition
 
 # Ranges a config must stay inside; errors quote them.
 MAX_SINK_TOKENS = 1 << 16
 MAX_PAGE_SIZE = 1 << 12
 MAX_PASS_GROUP_STEPS = 1 << 12  # decode steps a due request may wait for its pass
 MAX_QUERY_WINDOW_TOKENS = 1 << 12
-# The pass CUDA graphs' memory pool, taken out of the KV pool (``sglang_evict.pass_graphs``).
+# The pass CUDA graphs' memory pool, taken out of the KV pool (``sglang_evict.passes.graphs``).
 # On an H200 the README's workload captured 12 pass shapes into 20 MiB (docs/performance.md,
 # "The pass replayed as a CUDA graph"): the default holds about ten times that, under
 # 0.3 % of an 80 GiB card.
@@ -45,7 +45,7 @@ LEASE_STORES = ("inprocess", "redis", "none")
 # dequantised), by needle accuracy averaged over the evicting budgets 1/8, 1/4, 1/2:
 # streaming 0.25, rkv 0.13, window 0.07, knorm 0.00, random 0.00.
 # tests/test_cli_default_scorer.py derives it from that file
-# (``sglang_evict.quality.real_report.best_scorer``) and fails when they differ.
+# (``sglang_evict.quality.real.report.best_scorer``) and fails when they differ.
 DEFAULT_SCORER = "streaming"
 
 
@@ -125,13 +125,13 @@ class EvictionConfig:
             counts), so one pass serves every request due in the group. 1 (default):
             a pass at every step with a due request (``--kv-pass-group-steps``);
             ``"auto"``: the server chooses, up to ``pass_grouping.AUTO_MAX_GROUP_STEPS``
-            (``sglang_evict.pass_grouping``).
+            (``sglang_evict.passes.grouping``).
         pass_cuda_graph: replay passes as CUDA graphs, one per bucketed pass shape
-            (``sglang_evict.pass_graphs``); None (default): on where the KV pool is on
+            (``sglang_evict.passes.graphs``); None (default): on where the KV pool is on
             a CUDA device, False: eager (``--kv-pass-cuda-graph`` / ``--no-...``).
         pass_graph_pool_mib: the most memory the pass graphs may hold; a server with
             pass graphs on takes it out of SGLang's KV pool, and shapes past it run
-            eagerly (``--kv-pass-graph-pool-mib``; ``sglang_evict.pass_graphs``).
+            eagerly (``--kv-pass-graph-pool-mib``; ``sglang_evict.passes.graphs``).
 
     How per-head scores combine into one keep-set per request is a scorer parameter
     (``head_normalization``, ``head_reduction``; see ``sglang_evict.scorers.base``).

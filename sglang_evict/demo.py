@@ -163,7 +163,7 @@ CHAT_QUESTIONS = (
 
 
 def _chat_prompts(tokenizer, num_requests: int) -> list[list[int]]:
-    from sglang_evict.quality.needle import chat_ids
+    from sglang_evict.quality.real.needle import chat_ids
 
     prompts = []
     for i in range(num_requests):

@@ -27,7 +27,7 @@ PASS_DURATION_SECONDS = "sglang_evict:pass_duration_seconds"
 BUDGET_OCCUPANCY_RATIO = "sglang_evict:budget_occupancy_ratio"
 PASS_FAILURES_TOTAL = "sglang_evict:pass_failures_total"
 # Failed passes since the last committed one (0 while passes commit): what an alert
-# watches (``sglang_evict.pass_failures``; the cause is a label of the counter).
+# watches (``sglang_evict.passes.failures``; the cause is a label of the counter).
 PASS_FAILURE_STREAK = "sglang_evict:pass_failure_streak"
 # Of the passes: run early because a decode step could not allocate (before retraction).
 PRESSURE_PASSES_TOTAL = "sglang_evict:pressure_passes_total"
@@ -38,7 +38,7 @@ COMPACTOR_FALLBACKS_TOTAL = "sglang_evict:compactor_fallbacks_total"
 LEASE_RELEASE_FAILURES_TOTAL = "sglang_evict:lease_release_failures_total"
 # Passes completed in-process after the compactor failed once the pass was sent.
 PASS_FORCED_COMPLETIONS_TOTAL = "sglang_evict:pass_forced_completions_total"
-# With pass CUDA graphs on (``sglang_evict.pass_graphs``): passes replayed, and passes
+# With pass CUDA graphs on (``sglang_evict.passes.graphs``): passes replayed, and passes
 # that ran eagerly (a shape past the captured set, or a pass that cannot be captured).
 PASS_GRAPH_REPLAYS_TOTAL = "sglang_evict:pass_graph_replays_total"
 PASS_GRAPH_MISSES_TOTAL = "sglang_evict:pass_graph_misses_total"
@@ -148,7 +148,7 @@ class EvictionMetrics:
             ),
             pass_failures=Counter(
                 PASS_FAILURES_TOTAL.removesuffix("_total"),
-                "Passes that failed and were skipped, by cause (sglang_evict.pass_failures)",
+                "Passes that failed and were skipped, by cause (sglang_evict.passes.failures)",
                 (*labels, "cause"),
                 registry=registry,
             ),

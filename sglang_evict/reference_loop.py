@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from sglang_evict.evictor import PassResult
+from sglang_evict.passes.manager import PassResult
 from sglang_evict.reference_model import KVBuffers, PagedLlama
 
 

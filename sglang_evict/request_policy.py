@@ -191,7 +191,7 @@ def bounded_kv_tokens(
     """The most KV tokens (whole pages) a request can hold under ``policy`` on a server
     running ``config``, from its lengths alone.
 
-    Derivation (``sglang_evict.batch_pass.counts``): the protected tokens are at most
+    Derivation (``sglang_evict.passes.batch.counts``): the protected tokens are at most
     ``lead + window``, ``lead`` being the sinks + protected prefix, the prompt (unless
     ``evict_prompt``) and the radix-tree prefix (``cache_protected_len``: whole pages of
     the prompt, so at most the prompt rounded down to a page); so a pass keeps at most

@@ -42,7 +42,7 @@ ENGINE_THREADS = {"OMP_NUM_THREADS": "1"}
 BUDGET, CADENCE, WINDOW, SINKS = 48, 16, 16, 4
 # Every pass of the engine tests outlasts its lease many times over (a pass takes
 # milliseconds on this CPU): no pass may lose its lease to its own duration
-# (``tests/test_engine_lease.py``; ``sglang_evict.pass_lease``).
+# (``tests/test_engine_lease.py``; ``sglang_evict.passes.lease``).
 LEASE_TTL_MS = 1
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_evict.batch_pass.counts import (
+from sglang_evict.passes.batch.counts import (
     PAGE_COUNTS,
     BatchCounts,
     batch_pass_counts,
@@ -16,8 +16,8 @@ from sglang_evict.batch_pass.counts import (
     page_counts,
     pass_counts,
 )
-from sglang_evict.batch_pass.inputs import COLUMNS, host_columns
-from sglang_evict.batch_pass.shapes import pass_shape
+from sglang_evict.passes.batch.inputs import COLUMNS, host_columns
+from sglang_evict.passes.batch.shapes import pass_shape
 
 request = st.fixed_dictionaries(
     {
@@ -157,9 +157,9 @@ def test_the_due_check_is_a_pass_that_would_evict_a_cadence(case, server):
     import torch
 
     from sglang_evict.config import EvictionConfig
-    from sglang_evict.evictor import EvictionManager
-    from sglang_evict.pass_state import RequestState
-    from sglang_evict.tensor_pool import TensorPool
+    from sglang_evict.passes.manager import EvictionManager
+    from sglang_evict.passes.state import RequestState
+    from sglang_evict.passes.tensor_pool import TensorPool
 
     page_size = server["page_size"]
     window = min(server["window_tokens"], 40)  # sinks + protected + window < budget

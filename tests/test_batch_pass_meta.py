@@ -13,7 +13,7 @@ What this does not cover: the GPU's own kernels (the pool-reading scorers, the f
 z-score, the repack launch) cannot run on ``meta``, so the pass takes the torch forms
 it takes on CPU, and the repack takes its torch form for devices without a kernel
 (``repack_kv_independent``); SGLang's memory classes refuse the ``meta`` device, so the
-pool here is ``sglang_evict.tensor_pool.TensorPool`` (the SGLang adapter's reads and
+pool here is ``sglang_evict.passes.tensor_pool.TensorPool`` (the SGLang adapter's reads and
 writes are the same two tensor operations, and the GPU test runs them).
 """
 
@@ -24,14 +24,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from sglang_evict.batch_pass.counts import ceil_div
-from sglang_evict.batch_pass.shapes import ladder_bucket, power_of_two_bucket
 from sglang_evict.config import EvictionConfig
-from sglang_evict.evictor import DueRequest, EvictionManager
+from sglang_evict.passes.batch.counts import ceil_div
+from sglang_evict.passes.batch.shapes import ladder_bucket, power_of_two_bucket
+from sglang_evict.passes.manager import DueRequest, EvictionManager
+from sglang_evict.passes.tensor_pool import TensorPool
 from sglang_evict.query_capture import QueryRing, RingShape
 from sglang_evict.request_policy import RequestPolicy
 from sglang_evict.scorers.knorm import KNormScorer
-from sglang_evict.tensor_pool import TensorPool
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 2, 2, 4, 8
 PROMPT = 24  # tokens; also the radix tree's (shared) prefix of every request
@@ -193,7 +193,7 @@ def test_batched_scoring_holds_one_layer_of_keys_at_a_time(scorer):
     manager, _ = meta_manager(config, rows=rows, capacity=256, spare_pages=64, layers=layers)
     lengths = [80 + 16 * r for r in range(rows)]
     due = [DueRequest(f"r{r}", r, n, 16, PROMPT) for r, n in enumerate(lengths)]
-    # The pass's padded shape (``batch_pass.shapes``: requests and row width bucketed).
+    # The pass's padded shape (``passes.batch.shapes``: requests and row width bucketed).
     padded_rows = power_of_two_bucket(rows)
     width = ladder_bucket(ceil_div(max(lengths), 16)) * 16
     one_layer_keys = padded_rows * width * KV_HEADS * HEAD_DIM

@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_evict.batch_pass import PlanInputs, plan_hole_fill, plan_repack
-from sglang_evict.batch_pass.counts import ceil_div
-from sglang_evict.planner import check_plan_invariants, plan_compaction
+from sglang_evict.passes.batch import PlanInputs, plan_hole_fill, plan_repack
+from sglang_evict.passes.batch.counts import ceil_div
+from sglang_evict.passes.planner import check_plan_invariants, plan_compaction
 from sglang_evict_kernels import repack_kv_independent, repack_kv_reference
 from sglang_evict_kernels.repack import copy_independent_moves
 

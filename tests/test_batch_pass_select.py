@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_evict.batch_pass import pass_counts, protected_ranges_mask, select_keep
-from sglang_evict.batch_pass.select import eviction_keys
-from sglang_evict.selection import protected_mask, select_survivors
+from sglang_evict.passes.batch import pass_counts, protected_ranges_mask, select_keep
+from sglang_evict.passes.batch.select import eviction_keys
+from sglang_evict.passes.selection import protected_mask, select_survivors
 
 
 @st.composite
@@ -170,7 +170,7 @@ def test_a_long_protected_prompt_keeps_the_cadence():
 
 
 def test_cached_index_vectors_are_views_of_one_arange_that_grows():
-    from sglang_evict.batch_pass.indices import arange
+    from sglang_evict.passes.batch.indices import arange
 
     first = arange(5, "cpu")
     assert first.tolist() == [0, 1, 2, 3, 4] and first.dtype == torch.int64

@@ -12,7 +12,8 @@ import pytest
 
 from sglang_evict.cli import build_parser
 from sglang_evict.config import DEFAULT_SCORER, EvictionConfig
-from sglang_evict.quality import real_report, report
+from sglang_evict.quality.real import report as real_report
+from sglang_evict.quality.reference import report
 from sglang_evict.scorers import needs_calibration
 from sglang_evict.srt.server_args import server_scorers
 

@@ -35,7 +35,7 @@ from compactor_service.redis_leases import RedisLeaseStore
 from compactor_service.runtime_dir import DEFAULT_POOL_DIR
 from compactor_service.v1 import compactor_pb2 as pb
 from compactor_service.wire import layout_to_proto, plan_to_proto
-from sglang_evict.planner import plan_compaction
+from sglang_evict.passes.planner import plan_compaction
 from tests.compactor_process import call, leased_compactor, make_pool
 from tests.test_compactor_service import LAYERS, PAGE, SLOTS, two_request_plans
 

@@ -11,7 +11,7 @@ import torch
 from compactor_service.compactor import InProcessCompactor, LeaseClaim, LeaseRefused
 from compactor_service.leases import InProcessLeaseStore
 from compactor_service.redis_leases import RedisLeaseStore
-from sglang_evict.planner import plan_compaction
+from sglang_evict.passes.planner import plan_compaction
 from tests.test_leases import FakeClock
 
 

@@ -11,7 +11,7 @@ import torch
 
 from compactor_service.compactor import InProcessCompactor, PassAbandoned
 from compactor_service.plan import CompactionPlan, PlanError
-from sglang_evict.planner import plan_compaction
+from sglang_evict.passes.planner import plan_compaction
 
 PAGE = 4
 SLOTS = 64  # 16 pages

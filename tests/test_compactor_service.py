@@ -26,7 +26,7 @@ from compactor_service.runtime_dir import DEFAULT_POOL_DIR
 from compactor_service.v1 import compactor_pb2 as pb
 from compactor_service.v1 import compactor_pb2_grpc as pb_grpc
 from compactor_service.wire import plan_to_proto
-from sglang_evict.planner import plan_compaction
+from sglang_evict.passes.planner import plan_compaction
 from sglang_evict_kernels import repack_kv_reference
 from tests.compactor_process import CompactorProcess, make_pool
 

@@ -39,7 +39,7 @@ def real_spec(real_model, **policy) -> EngineSpec:
 def chat_prompts(real_model):
     from transformers import AutoTokenizer
 
-    from sglang_evict.quality.needle import chat_ids
+    from sglang_evict.quality.real.needle import chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(str(real_model))
     questions = ("Describe the ocean in a few sentences.", "List some uses of a bicycle.")
@@ -77,8 +77,13 @@ def test_needle_smoke_two_prompts_plain_and_evicting_the_prompt(engines, real_mo
     compacted its prompt at its passes; the accuracies are reported."""
     from transformers import AutoTokenizer
 
-    from sglang_evict.quality.needle import build_samples
-    from sglang_evict.quality.real_needle import PLAIN, NeedlePolicy, answer_batch, budget_for
+    from sglang_evict.quality.real.needle import build_samples
+    from sglang_evict.quality.real.needle_engine import (
+        PLAIN,
+        NeedlePolicy,
+        answer_batch,
+        budget_for,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(str(real_model))
     samples = build_samples(

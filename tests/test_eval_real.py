@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from sglang_evict.quality.needle import (
+from sglang_evict.quality.real.evaluation import RealEvalSettings
+from sglang_evict.quality.real.needle import (
     Needle,
     build_samples,
     chat_ids,
@@ -18,7 +19,6 @@ from sglang_evict.quality.needle import (
     needle_for,
     sentences,
 )
-from sglang_evict.quality.real_eval import RealEvalSettings
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, real_model, case, args, need
 
 
 def test_the_report_draws_tables_and_a_plot_from_results(tmp_path):
-    from sglang_evict.quality import real_report
+    from sglang_evict.quality.real import report as real_report
 
     answers = {}
     for method, fraction, hits in (("plain", 1.0, [1, 1, 1, 0]), ("rkv", 0.25, [1, 0, 1, 0])):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.evictor import DueRequest
+from sglang_evict.passes.manager import DueRequest
 from sglang_evict.srt.versioned import req_kv
 from tests.sglang_harness import Engine
 
@@ -114,7 +114,7 @@ def test_a_scoring_kernel_that_fails_on_the_gpu_falls_back_to_the_torch_forms(mo
         if use_kernels:
             monkeypatch.setattr(base, "zscore_reduce_triton", broken_kernel)
         req = engine.add_request("a", list(range(8)))
-        with caplog.at_level("ERROR", logger="sglang_evict.batch_pass.scoring"):
+        with caplog.at_level("ERROR", logger="sglang_evict.passes.batch.scoring"):
             for step in range(120):
                 engine.decode_step(req, 1000 + step)
         kept.append(

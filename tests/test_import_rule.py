@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -211,3 +212,80 @@ def test_the_circle_finder_sees_lazy_and_relative_imports(tmp_path):
     assert graph["pkg.c"] == {"pkg.a"}  # the TYPE_CHECKING import does not count
     assert import_circles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
     assert import_circles({"x": {"y"}, "y": set()}) == []
+
+
+# --- the layout: every package says what is inside; the layers' own rules ------------
+
+
+def package_folders():
+    for folder in PACKAGES.values():
+        for init in sorted(folder.rglob("__init__.py")):
+            yield init.parent
+
+
+@pytest.mark.parametrize("folder", list(package_folders()), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_package_init_names_what_is_inside(folder):
+    """A reader opening a package's ``__init__`` finds each of its modules and
+    subpackages named there (a table, as ``srt`` and ``passes`` have)."""
+    doc = ast.get_docstring(parse(folder / "__init__.py")) or ""
+    inside = {p.stem for p in folder.glob("*.py")} | {
+        p.name for p in folder.iterdir() if (p / "__init__.py").exists()
+    }
+    inside -= {"__init__", "__main__"}
+    missing = sorted(name for name in inside if not re.search(rf"\b{re.escape(name)}\b", doc))
+    assert not missing, f"{folder.relative_to(ROOT)}/__init__.py does not name {missing}"
+
+
+def test_the_top_of_sglang_evict_holds_no_part_of_the_pass():
+    """The pass's parts live in ``sglang_evict.passes``: a module at the top named for a
+    part of the pass (``pass_*``, the mechanism, the planner) is a layout regression."""
+    top = {p.stem for p in PACKAGES["sglang_evict"].glob("*.py")}
+    strays = sorted(
+        name
+        for name in top
+        if name.startswith(("pass_", "batch_"))
+        or name in {"evictor", "planner", "selection", "tensor_pool"}
+    )
+    assert not strays, f"parts of the pass at the top of sglang_evict/: {strays}"
+
+
+PASS_POLICY = ("batch", "selection", "planner", "grouping")
+PASS_MECHANISM = (
+    "manager",
+    "device_work",
+    "host_work",
+    "moves",
+    "graphs",
+    "lease",
+    "failures",
+    "tensor_pool",
+)
+
+
+def test_the_passs_policy_imports_none_of_its_mechanism():
+    names = module_names()
+    graph = {name: project_imports(name, path, set(names)) for name, path in names.items()}
+    policy = [
+        name
+        for name in graph
+        if any(
+            name == f"sglang_evict.passes.{p}" or name.startswith(f"sglang_evict.passes.{p}.")
+            for p in PASS_POLICY
+        )
+    ]
+    mechanism = {f"sglang_evict.passes.{m}" for m in PASS_MECHANISM}
+    bad = {name: sorted(graph[name] & mechanism) for name in policy if graph[name] & mechanism}
+    assert policy and not bad, f"policy modules importing the mechanism: {bad}"
+
+
+def test_the_two_quality_evaluations_import_nothing_of_each_other():
+    names = module_names()
+    graph = {name: project_imports(name, path, set(names)) for name, path in names.items()}
+    for one, other in (("reference", "real"), ("real", "reference")):
+        prefix, forbidden = f"sglang_evict.quality.{one}", f"sglang_evict.quality.{other}"
+        for name in graph:
+            if name == prefix or name.startswith(prefix + "."):
+                bad = sorted(
+                    t for t in graph[name] if t == forbidden or t.startswith(forbidden + ".")
+                )
+                assert not bad, f"{name} imports {bad} of the other evaluation"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from compactor_service.compactor import InProcessCompactor
-from sglang_evict.planner import fresh_pages_needed, plan_compaction
+from sglang_evict.passes.planner import fresh_pages_needed, plan_compaction
 from sglang_evict_kernels import repack_kv_reference, repack_kv_triton
 from sglang_evict_kernels.repack import _launch
 from tests.kernel_device import INTERPRETED, on_kernel_device

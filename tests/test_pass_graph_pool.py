@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sglang_evict.config import DEFAULT_PASS_GRAPH_POOL_MIB, EvictionConfig
-from sglang_evict.pass_graphs import AllocationTally
+from sglang_evict.passes.graphs import AllocationTally
 from sglang_evict.srt import graph_pool
 from sglang_evict.srt.graph_pool import pass_graphs_on, plan_graph_pool
 from sglang_evict.srt.server_args import BACKEND_NAME, CONFIG_ENV

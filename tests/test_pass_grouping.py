@@ -1,4 +1,4 @@
-"""``--kv-pass-group-steps auto`` (``sglang_evict.pass_grouping``),
+"""``--kv-pass-group-steps auto`` (``sglang_evict.passes.grouping``),
 ``--kv-pass-cuda-graph`` and ``--kv-pass-graph-pool-mib``: the choice's arithmetic, its
 re-choosing, the flags, the admission bound and the refusals."""
 
@@ -12,7 +12,7 @@ from sglang.srt.server_args import ServerArgs
 
 from sglang_evict.cli_flags import add_policy_flags, config_from_args
 from sglang_evict.config import DEFAULT_PASS_GRAPH_POOL_MIB, EvictionConfig
-from sglang_evict.pass_grouping import (
+from sglang_evict.passes.grouping import (
     AUTO_MAX_GROUP_STEPS,
     RECHOOSE_STEPS,
     GroupChoice,
@@ -113,8 +113,8 @@ def test_pass_graphs_are_refused_when_sglangs_decode_graph_backend_is_disabled()
 def test_a_manager_off_cuda_refuses_pass_graphs_and_groups_by_its_choice():
     import torch
 
-    from sglang_evict.evictor import EvictionManager
-    from sglang_evict.tensor_pool import TensorPool
+    from sglang_evict.passes.manager import EvictionManager
+    from sglang_evict.passes.tensor_pool import TensorPool
 
     def pool():
         buffers = [torch.zeros(64, 1, 4)]
@@ -139,12 +139,12 @@ def test_a_manager_off_cuda_refuses_pass_graphs_and_groups_by_its_choice():
 def test_auto_measures_replayed_passes_and_leaves_capturing_ones_out():
     """The first pass of a shape runs eagerly and captures its graph (a one-off cost):
     ``auto`` does not count it as a pass's host time; the replays of that shape it does
-    (graphs emulated off CUDA, ``sglang_evict.pass_graphs``)."""
+    (graphs emulated off CUDA, ``sglang_evict.passes.graphs``)."""
     import torch
 
-    from sglang_evict.evictor import DueRequest, EvictionManager
-    from sglang_evict.pass_graphs import PassGraphs
-    from sglang_evict.tensor_pool import TensorPool
+    from sglang_evict.passes.graphs import PassGraphs
+    from sglang_evict.passes.manager import DueRequest, EvictionManager
+    from sglang_evict.passes.tensor_pool import TensorPool
 
     buffers = [torch.randn(128, 1, 4)]
     pool = TensorPool(k_buffers=buffers, v_buffers=buffers, page_size=1, rows=2, capacity=40)

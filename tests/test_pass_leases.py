@@ -23,7 +23,7 @@ import pytest
 
 from compactor_service.redis_leases import LeaseStoreUnavailable
 from compactor_service.v1 import compactor_pb2 as pb
-from sglang_evict.pass_failures import MAX_BACKOFF_STEPS
+from sglang_evict.passes.failures import MAX_BACKOFF_STEPS
 from sglang_evict.reference_loop import generate
 from tests.compactor_process import CompactorProcess
 from tests.fault_driver import assert_nothing_lost, fault_model, make_driver, step_checks
@@ -67,7 +67,7 @@ def leased_sidecar(tmp_path, redis_url: str, *extra: str):
 def slow_scoring(manager, delay_s: float) -> None:
     """Every scorer of ``manager`` takes ``delay_s`` longer (a large pass on a busy
     host): wraps the batched scoring the pass calls."""
-    import sglang_evict.pass_device as pass_device
+    import sglang_evict.passes.device_work as pass_device
 
     original = pass_device.score_rows_or_fall_back
 
@@ -81,7 +81,7 @@ def slow_scoring(manager, delay_s: float) -> None:
 
 @pytest.fixture
 def restore_scoring():
-    import sglang_evict.pass_device as pass_device
+    import sglang_evict.passes.device_work as pass_device
 
     original = pass_device.score_rows_or_fall_back
     yield

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compactor_service.plan import CompactionPlan, PlanError
-from sglang_evict.planner import (
+from sglang_evict.passes.planner import (
     NotEnoughFreshPages,
     check_plan_invariants,
     fresh_pages_needed,

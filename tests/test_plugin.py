@@ -352,7 +352,7 @@ def test_metrics_of_one_pass_count_each_requests_scorer_and_budget():
     its own requests' sums, the occupancy histogram one observation per request."""
     from prometheus_client import CollectorRegistry
 
-    from sglang_evict.pass_state import PassResult
+    from sglang_evict.passes.state import PassResult
 
     registry = CollectorRegistry()
     recorder = EvictionMetrics.create("knorm", registry=registry)

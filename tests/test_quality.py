@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from sglang_evict.cli import main
-from sglang_evict.quality import harness, report
-from sglang_evict.quality.task import (
+from sglang_evict.quality.reference import harness, report
+from sglang_evict.quality.reference.task import (
     FACT,
     FIRST_DISTRACTOR,
     FIRST_SYMBOL,
@@ -137,7 +137,7 @@ def test_committed_checkpoint_records_how_it_was_made():
 def test_committed_checkpoint_reaches_the_floor_through_generate_with_no_eviction(
     reference_model, variant
 ):
-    from sglang_evict.quality.training import greedy_chains
+    from sglang_evict.quality.reference.training import greedy_chains
 
     samples = held_out_samples(TaskSpec(variant=variant), seed=0, count=2)
     outcome = harness.run_sequences(reference_model, samples, page_size=1)
@@ -348,7 +348,7 @@ def test_scorer_entries_parse_parameters_and_label_themselves():
 
 
 def test_training_is_bit_reproducible_and_seed_dependent():
-    from sglang_evict.quality.training import ModelShape, Stage, TrainConfig, train
+    from sglang_evict.quality.reference.training import ModelShape, Stage, TrainConfig, train
 
     shape = ModelShape(
         hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
@@ -375,6 +375,7 @@ def test_training_is_bit_reproducible_and_seed_dependent():
 
 def test_kvpress_peer_on_the_same_model_and_sequences(reference_model, tmp_path):
     from sglang_evict.quality import kvpress_bridge
+    from sglang_evict.quality.reference.kvpress import PEER_MODULE, write_job
 
     venv = kvpress_bridge.default_venv()
     if kvpress_bridge.probe(venv) is None:
@@ -384,7 +385,7 @@ def test_kvpress_peer_on_the_same_model_and_sequences(reference_model, tmp_path)
         )
     settings = harness.EvalSettings(**harness.QUICK_SETTINGS | {"num_sequences": 1})
     samples = settings.samples()
-    job = kvpress_bridge.write_job(
+    job = write_job(
         tmp_path / "job.json",
         checkpoint=CHECKPOINT,
         samples=samples,
@@ -394,7 +395,9 @@ def test_kvpress_peer_on_the_same_model_and_sequences(reference_model, tmp_path)
         cadence_tokens=settings.policy.cadence_tokens,
         sink_tokens=settings.policy.sink_tokens,
     )
-    peer = kvpress_bridge.run_peer(venv, job, tmp_path / "peer.json", progress=False)
+    peer = kvpress_bridge.run_peer(
+        venv, job, tmp_path / "peer.json", module=PEER_MODULE, progress=False
+    )
     methods = {e["method"] for e in peer["entries"]}
     assert methods == {
         "kvpress:none",

@@ -16,7 +16,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sglang_evict.batch_pass.scoring import score_rows
+from sglang_evict.passes.batch.scoring import score_rows
 from sglang_evict.query_capture import QueryRing, RingShape, kv_tokens_for
 from sglang_evict.scorers import KVView, build_scorer
 from sglang_evict.scorers.base import BatchKVView

@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from sglang_evict.batch_pass import scoring as scoring_module
 from sglang_evict.config import EvictionConfig
+from sglang_evict.passes.batch import scoring as scoring_module
 from sglang_evict.reference_loop import GenerationRequest, generate
 from sglang_evict.reference_model import KVBuffers, PagedLlama, build_tiny_llama
 from sglang_evict.scorers import KVView, build_scorer

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from sglang_evict.passes.selection import protected_mask, select_survivors
 from sglang_evict.scorers import SCORERS, KVView, aggregate_head_scores, build_scorer
 from sglang_evict.scorers.triattention import TriAttentionScorer
 from sglang_evict.scorers.triattention_stats import TriAttentionStats
-from sglang_evict.selection import protected_mask, select_survivors
 
 
 def make_view(num_tokens=32, layers=2, kv_heads=2, head_dim=8, window=4, q_heads=4, seed=0):

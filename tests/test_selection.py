@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_evict.selection import protected_mask, select_survivors
+from sglang_evict.passes.selection import protected_mask, select_survivors
 
 
 def test_protected_tokens_are_kept_and_the_rest_filled_by_score():

@@ -1,4 +1,4 @@
-"""The static-shape pass (``sglang_evict.batch_pass.shapes``: requests, row width,
+"""The static-shape pass (``sglang_evict.passes.batch.shapes``: requests, row width,
 survivors, top-k, released pages and staging padded to buckets) keeps exactly the
 survivors, moves exactly the slots and frees exactly the pages of the exact-shape pass,
 on generated batches: page sizes 1, 16 and 64, both strategies, per-request scorers and
@@ -18,13 +18,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_evict.batch_pass.counts import ceil_div
-from sglang_evict.batch_pass.shapes import ladder_bucket, pass_shape, power_of_two_bucket
 from sglang_evict.config import EvictionConfig
-from sglang_evict.evictor import DueRequest, EvictionManager
-from sglang_evict.pass_graphs import PassGraphs
+from sglang_evict.passes.batch.counts import ceil_div
+from sglang_evict.passes.batch.shapes import ladder_bucket, pass_shape, power_of_two_bucket
+from sglang_evict.passes.graphs import PassGraphs
+from sglang_evict.passes.manager import DueRequest, EvictionManager
+from sglang_evict.passes.tensor_pool import TensorPool
 from sglang_evict.request_policy import RequestPolicy
-from sglang_evict.tensor_pool import TensorPool
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 4
 SINKS, WINDOW = 4, 8
@@ -203,7 +203,7 @@ def test_buckets_are_the_ladder_and_cover_their_content():
 
 
 def test_a_padded_shape_covers_the_exact_one_and_stays_in_the_row():
-    from sglang_evict.batch_pass.counts import batch_pass_counts
+    from sglang_evict.passes.batch.counts import batch_pass_counts
 
     zeros = np.zeros(3, dtype=np.int64)
     counts = batch_pass_counts(
@@ -255,7 +255,7 @@ def eager_and_graphed(config: EvictionConfig, lengths: list[int], seed: int, pag
 def test_replayed_passes_equal_eager_ones_and_dispatch_little_outside_the_replay(
     compaction, scorer
 ):
-    """The replay mechanism (``sglang_evict.pass_graphs``, its capture emulated off
+    """The replay mechanism (``sglang_evict.passes.graphs``, its capture emulated off
     CUDA): the first pass of a shape runs and is captured, later passes of that shape
     are replays of the captured body on the key's static buffers, and the outcome is the
     eager pass's, bit for bit. Outside the replay a pass dispatches at most 10 tensor
@@ -355,7 +355,7 @@ def test_shapes_past_the_graph_pool_limit_run_eagerly_counted_and_warned(caplog)
     lengths = {r: 128 + 8 * r for r in range(rows)}
     for step in range(4):
         due = [DueRequest(f"r{r}", r, lengths[r], 0, 0) for r in range(rows)]
-        with caplog.at_level("WARNING", logger="sglang_evict.pass_graphs"):
+        with caplog.at_level("WARNING", logger="sglang_evict.passes.graphs"):
             assert_same(eager, limited, eager.run_batch_pass(due), limited.run_batch_pass(due))
         if step == 0:  # one shape captured: the pool is full from here on
             assert graphs.captures == 1 and graphs.graph_pool_bytes > 0

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from sglang_evict.calibrate import calibrate, held_out_agreement, load_model
-from sglang_evict.quality import harness
-from sglang_evict.quality.task import make_sample
+from sglang_evict.quality.reference import harness
+from sglang_evict.quality.reference.task import make_sample
 
 CHECKPOINT = Path(__file__).resolve().parent / "checkpoint"
 HELD_OUT_SEED = 12345  # neither the eval's held-out seed (0) nor the calibration seed

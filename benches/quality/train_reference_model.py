@@ -1,5 +1,5 @@
 """Train the quality reference model: a small Llama (RoPE, GQA) that solves the
-recall-chain task (``sglang_evict.quality.task``) with a full cache.
+recall-chain task (``sglang_evict.quality.reference.task``) with a full cache.
 
     python3 benches/quality/train_reference_model.py                    # writes the checkpoint
     python3 benches/quality/train_reference_model.py --out /tmp/ckpt    # elsewhere
@@ -25,8 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from sglang_evict.quality.task import VARIANTS, TaskSpec, held_out_samples, score_chain  # noqa: E402
-from sglang_evict.quality.training import (  # noqa: E402
+from sglang_evict.quality.reference.task import VARIANTS, TaskSpec, held_out_samples, score_chain  # noqa: E402
+from sglang_evict.quality.reference.training import (  # noqa: E402
     ModelShape,
     TrainConfig,
     greedy_chains,

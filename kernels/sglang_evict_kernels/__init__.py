@@ -4,6 +4,12 @@ batched pass's fused score normalisation (``normalize``).
 Each kernel has a launcher, its device code, and a plain torch reference beside it;
 tests and benchmarks compare against the reference. This package imports neither
 ``sglang_evict`` nor ``compactor_service``.
+
+    module     job
+    repack     slot moves across every layer's K and V (the compaction's copy)
+    scoring    key scores where the keys lie in the pool (``knorm``, ``triattention``)
+    normalize  the batched pass's fused per-row score normalisation
+    _device    host ints to device tensors in one copy
 """
 
 from sglang_evict_kernels._device import device_int64, to_device

@@ -225,7 +225,7 @@ def repack_kv_independent(
     """``buf[dst] = buf[src]`` for moves already known to be independent (no slot both
     read and written), where a move with ``src == dst`` is padding and copies nothing.
 
-    For plans made on the device (``sglang_evict.batch_pass``): the number of real
+    For plans made on the device (``sglang_evict.passes.batch``): the number of real
     moves is data the host never reads, so a plan comes as a fixed-size tensor padded
     with self-moves (slot 0 -> slot 0, SGLang's padding slot), and nothing here may
     read device data on the host: no range check, no overlap check (``_check_moves``

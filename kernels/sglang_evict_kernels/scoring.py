@@ -42,7 +42,7 @@ def pair_indices(head_dim: int, rope_style: str) -> tuple[Tensor, Tensor]:
 def _check(k_buffers: Sequence[Tensor], slots: Tensor, check_slots: bool = True) -> None:
     """Argument checks. ``check_slots=False`` skips the slot range check, the only one
     that reads device data (two synchronising reductions): for slots made on the device
-    by the batched pass, whose host never reads them (``sglang_evict.batch_pass``)."""
+    by the batched pass, whose host never reads them (``sglang_evict.passes.batch``)."""
     if not k_buffers:
         raise ValueError("need at least one layer's key buffer")
     if slots.dim() != 1 or slots.dtype != torch.int64:

@@ -1,19 +1,22 @@
-"""Quality measurement: a reference model trained here, a task with known answers, the
-evaluation harness, kvpress as a peer, and an accuracy gate.
+"""Quality measurement: what eviction does to a model's answers, in two evaluations
+that share only what both use.
 
-| module         | cares about                                | in -> out                     |
-|----------------|--------------------------------------------|-------------------------------|
-| task           | the recall-chain task (pure Python)        | seed -> sequences; scores     |
-| training       | training the reference model (CPU, seeded) | shape, curriculum -> model    |
-| forced         | teacher-forced decoding on the real driver | forced tokens -> decode input |
-| harness        | the scorer x budget x page size matrix     | checkpoint -> results         |
-| kvpress_bridge | the kvpress environment, job and results   | sequences -> peer results     |
-| kvpress_peer   | kvpress on the same model (its own venv)   | job JSON -> results JSON      |
-| report         | plot, Markdown table, the gate             | results -> PNG, text, verdict |
-| cli            | ``sglang-evict eval`` and ``eval-gate``    | flags -> the above            |
+    package / module  cares about                                   command
+    reference/        a small model trained here on a task with     ``sglang-evict eval``,
+                      known answers (recall chains): the scorer x   ``eval-gate``
+                      budget x page-size matrix, the CI gate
+    real/             a real pretrained model (SmolLM2-135M-        ``sglang-evict
+                      Instruct, 4-bit weights dequantised) on real  eval-real``
+                      text: needles in SGLang's engine, decode-time
+                      perplexity, kvpress's presses
+    forced            teacher-forced decoding through SGLang's      (both)
+                      memory classes
+    kvpress_bridge    kvpress's own environment; running a peer     (both)
+                      module in it
+    cli               the three subcommands' flags and handlers     (both)
 
-Import rule: ``task`` imports nothing of the project (the kvpress peer runs it under
-another ``transformers``); ``kvpress_peer`` imports only ``task``; everything that
-touches SGLang goes through ``sglang_evict.srt`` (``forced``) and the
-reference loop.
+Import rule: ``reference`` and ``real`` import nothing of each other; the kvpress peers
+(``reference.kvpress_peer``, ``real.kvpress_peer``) run under another ``transformers``
+and import only pure modules (``reference.task``, ``real.needle``); everything that
+touches SGLang goes through ``sglang_evict.srt`` (``forced``, the engine runner).
 """

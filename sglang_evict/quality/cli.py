@@ -47,7 +47,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.render_only:
         return _render(Path(args.out), wall_s=None)
     use_triton_interpreter_without_gpu()  # before SGLang is imported
-    from sglang_evict.quality import harness
+    from sglang_evict.quality.reference import harness
 
     scorers = tuple(harness.parse_scorer_entry(s) for s in args.scorers.split(",") if s.strip())
     if not scorers:
@@ -107,7 +107,7 @@ def _render(out: Path, wall_s: float | None) -> int:
     """results.png and results.md from ``out/results.json``; prints the table. ``wall_s``:
     this run's eval wall time, None when only redrawing (nothing was run or written
     to results.json)."""
-    from sglang_evict.quality import report
+    from sglang_evict.quality.reference import report
 
     results = report.load_results(out / "results.json", for_rendering=True)
     png_path = report.plot(results, out / "results.png")
@@ -131,13 +131,14 @@ def _render(out: Path, wall_s: float | None) -> int:
 
 def _run_kvpress(args, settings, out: Path, results: dict) -> dict:
     from sglang_evict.quality import kvpress_bridge
-    from sglang_evict.quality.kvpress_peer import MODES, PRESSES
+    from sglang_evict.quality.reference.kvpress import PEER_MODULE, write_job
+    from sglang_evict.quality.reference.kvpress_peer import MODES, PRESSES
 
     venv = Path(args.kvpress_venv) if args.kvpress_venv else kvpress_bridge.default_venv()
     try:
         print(f"kvpress: environment {venv} (created if missing)")
         versions = kvpress_bridge.ensure_venv(venv, create=not args.kvpress_no_setup)
-        job = kvpress_bridge.write_job(
+        job = write_job(
             out / "kvpress_job.json",
             checkpoint=Path(args.checkpoint),
             samples=settings.samples(),
@@ -148,7 +149,11 @@ def _run_kvpress(args, settings, out: Path, results: dict) -> dict:
             sink_tokens=settings.policy.sink_tokens,
         )
         peer = kvpress_bridge.run_peer(
-            venv, job, out / "kvpress_results.json", progress=not args.no_progress
+            venv,
+            job,
+            out / "kvpress_results.json",
+            module=PEER_MODULE,
+            progress=not args.no_progress,
         )
     except kvpress_bridge.KVPressUnavailable as error:
         print(f"kvpress: not run: {error}")
@@ -192,7 +197,8 @@ def _eval_real(args: argparse.Namespace) -> int:
     import dataclasses
     import time
 
-    from sglang_evict.quality import real_eval, real_report
+    from sglang_evict.quality.real import evaluation as real_eval
+    from sglang_evict.quality.real import report as real_report
 
     out = Path(args.out)
     if args.render_only:
@@ -252,7 +258,7 @@ def _eval_real(args: argparse.Namespace) -> int:
 
 def _real_inputs(args, settings):
     """The model folder, the text file and triattention's statistics, checked."""
-    from sglang_evict.quality import real_eval
+    from sglang_evict.quality.real import evaluation as real_eval
     from sglang_evict.real_model import ensure_real_model, ensure_real_text
 
     model = Path(args.model) if args.model else ensure_real_model()
@@ -271,7 +277,7 @@ def _real_inputs(args, settings):
 
 
 def _eval_gate(args: argparse.Namespace) -> int:
-    from sglang_evict.quality import report
+    from sglang_evict.quality.reference import report
 
     results = report.load_results(args.results)
     checked, failures = report.gate(
@@ -298,8 +304,12 @@ def _eval_gate(args: argparse.Namespace) -> int:
 def add_quality_commands(commands) -> None:
     """Register ``eval``, ``eval-real`` and ``eval-gate`` on ``commands`` (argparse
     subparsers)."""
-    from sglang_evict.quality.harness import DEFAULT_BUDGETS, DEFAULT_PAGE_SIZES, DEFAULT_SCORERS
-    from sglang_evict.quality.task import VARIANTS
+    from sglang_evict.quality.reference.harness import (
+        DEFAULT_BUDGETS,
+        DEFAULT_PAGE_SIZES,
+        DEFAULT_SCORERS,
+    )
+    from sglang_evict.quality.reference.task import VARIANTS
 
     ev = commands.add_parser(
         "eval",
@@ -353,7 +363,7 @@ def add_quality_commands(commands) -> None:
     )
     ev.set_defaults(handler=_eval)
 
-    from sglang_evict.quality.real_eval import SERVER_SCORERS
+    from sglang_evict.quality.real.evaluation import SERVER_SCORERS
 
     real = commands.add_parser(
         "eval-real",

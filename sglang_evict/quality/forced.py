@@ -8,7 +8,7 @@ plugin (scoring, selection, compaction, page frees) runs exactly as in free
 generation. Once the forced tokens are used up the request decodes greedily.
 
 Why not put the forced tokens in the prompt: the prompt enters the radix tree and is
-never an eviction candidate (see ``sglang_evict.quality.task``).
+never an eviction candidate (see ``sglang_evict.quality.reference.task``).
 
 Output layout for a request with ``F`` forced tokens and ``max_new_tokens = F + C``::
 

@@ -1,4 +1,4 @@
-"""The main side of the kvpress peer: its environment, its job, its results.
+"""The kvpress environment both evaluations run their peer in, and the peer's run.
 
 kvpress 0.5.5 requires ``transformers<5.3``; SGLang 0.5.17 pins 5.12.1. The peer
 therefore runs in a virtual environment of its own that reuses this interpreter's
@@ -8,8 +8,9 @@ only ``transformers<5.3`` and kvpress on top:
     python -m venv --system-site-packages <venv>
     <venv>/bin/pip install "transformers<5.3" kvpress==0.5.5
 
-The bridge writes the job (checkpoint, the exact sequences, budgets, cadence, sinks),
-runs ``<venv>/bin/python -m sglang_evict.quality.kvpress_peer`` and reads its JSON.
+Each evaluation writes its own job (``reference.kvpress``, ``real.kvpress``: the exact
+inputs its own runs got); ``run_peer`` runs ``<venv>/bin/python -m <its peer module>``
+on it and reads the results' JSON.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-from sglang_evict.quality.task import Sample
 
 KVPRESS_VERSION = "0.5.5"
 KVPRESS_TRANSFORMERS = "transformers<5.3"
@@ -97,56 +96,13 @@ def ensure_venv(venv: Path, *, create: bool = True) -> dict:
     return versions
 
 
-def write_job(
-    path: Path,
-    *,
-    checkpoint: Path,
-    samples: dict[str, list[Sample]],
-    budgets: list[tuple[float, int]],
-    presses: list[str],
-    modes: list[str],
-    cadence_tokens: int,
-    sink_tokens: int,
-) -> Path:
-    spec = next(iter(samples.values()))[0].spec
-    job = {
-        "checkpoint": str(checkpoint.resolve()),
-        "task": {
-            "num_facts": spec.num_facts,
-            "num_distractors": spec.num_distractors,
-            "chain_steps": spec.chain_steps,
-            "total_tokens": spec.total_tokens,
-        },
-        "sequences": {
-            variant: [
-                {
-                    "prompt": list(s.prompt),
-                    "forced": list(s.forced),
-                    "answer": list(s.answer),
-                    "successor": {str(k): v for k, v in s.successor.items()},
-                }
-                for s in group
-            ]
-            for variant, group in samples.items()
-        },
-        "budgets": [{"fraction": f, "tokens": t} for f, t in budgets],
-        "presses": presses,
-        "modes": modes,
-        "cadence_tokens": cadence_tokens,
-        "sink_tokens": sink_tokens,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(job) + "\n", encoding="utf-8")
-    return path
-
-
 def run_peer(
     venv: Path,
     job_path: Path,
     out_path: Path,
     *,
+    module: str,
     progress: bool = True,
-    module: str = "sglang_evict.quality.kvpress_peer",
 ) -> dict:
     """Run the peer ``module`` on a job; its stderr (the progress bar) passes through."""
     env = dict(os.environ)

@@ -3,6 +3,16 @@
 A new scorer goes in its own module here: a frozen dataclass subclassing ``Scorer``
 with a ``name``, its parameters as fields, and ``head_scores`` (or ``score``); then add
 it to ``SCORERS`` below. Selection, budgets and protection are not a scorer's business.
+
+    module              scorer
+    base                the contract: ``KVView``, ``Scorer``, head aggregation
+    streaming           ``streaming``: sinks and the most recent tokens (StreamingLLM)
+    knorm               ``knorm``: keys of low L2 norm kept (Devoto et al. 2024)
+    triattention        ``triattention``: RoPE-aware query-statistics scores
+    triattention_stats  its calibrated statistics: format, loading, checks
+    window              ``window``: attention of the last W queries (SnapKV, TOVA, H2O)
+    rkv                 ``rkv``: attention and redundancy (R-KV)
+    random_baseline     ``random``: a seeded baseline
 """
 
 from __future__ import annotations

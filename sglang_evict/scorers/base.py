@@ -1,7 +1,7 @@
 """The scorer contract: ``score(view) -> float32[num_tokens]``, higher = keep.
 
 A scorer only scores. Protection of sinks, protected prefix, shared prefix and the
-recent window, the budget and the top-k all live in ``sglang_evict.selection``.
+recent window, the budget and the top-k all live in ``sglang_evict.passes.selection``.
 
 Why one keep-set per request, not per head: SGLang stores every layer and head of a
 token in one slot index (``req_to_token`` maps a token to one slot of every layer's
@@ -275,7 +275,7 @@ class Scorer:
     needs_queries: ClassVar[bool] = False
     # Whether the batched form (``batch_scores``) reads device data only, never the
     # view's host tuples: such a pass can be captured once and replayed as a CUDA graph
-    # (``sglang_evict.pass_graphs``). Scorers without a batched form are never safe.
+    # (``sglang_evict.passes.graphs``). Scorers without a batched form are never safe.
     graph_safe: ClassVar[bool] = False
     head_normalization: str = "zscore"
     head_reduction: str = "mean"

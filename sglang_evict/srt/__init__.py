@@ -34,6 +34,10 @@ what differs between the two is in ``versioned``, nowhere else. Everything else 
                     evicting cache's marker class
     cpu_driver      memory classes driven on CPU (tests,      Req, ScheduleBatch,
                     demo, quality harness)                    alloc_for_decode, release
+    introspection   the plugin's state in get_server_info,    Scheduler (internal
+                    the idle check, the per-pass log line     state, idle check)
+    engine_runner   SGLang's engine in a child process of     sglang.Engine
+                    its own, its log read (tests, demo)
 
 A new surface gets its own module here.
 """

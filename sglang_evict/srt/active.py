@@ -21,7 +21,7 @@ class PassTotals:
     tokens_evicted: int = 0
     pages_freed: int = 0
     pass_failures: int = 0  # requests of failed passes
-    # Failed passes by cause (``sglang_evict.pass_failures``).
+    # Failed passes by cause (``sglang_evict.passes.failures``).
     pass_failure_causes: dict = field(default_factory=dict)
     idle_checks: int = 0  # idle-time checks passed (SGLang's own check runs just before)
     pressure_passes: int = 0  # of ``passes``: run early, for a step that could not allocate

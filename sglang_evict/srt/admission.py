@@ -30,7 +30,7 @@ Pressure relief (``ScheduleBatch.check_decode_mem``, AFTER hook): when a decode 
 cannot allocate (``Scheduler.update_running_batch`` is about to retract), passes run at
 once on the evicting requests with the most evictable tokens until the freed pages
 cover the step (``sglang_evict.admission.choose_pressure_passes``), under the same
-protection rules as every pass (the counts of ``sglang_evict.batch_pass.counts``: the
+protection rules as every pass (the counts of ``sglang_evict.passes.batch.counts``: the
 budget, sinks, protected prompt, window and shared prefix are kept). SGLang retracts
 only if that cannot free enough; ``retract_decode``'s own checks re-run it for the
 requests still in the batch. These passes count as ``pressure`` passes

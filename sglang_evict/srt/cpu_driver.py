@@ -12,7 +12,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from torch import Tensor
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.evictor import EvictionManager, PassResult
+from sglang_evict.passes.manager import EvictionManager, PassResult
 from sglang_evict.query_capture import QueryRing, RingShape
 from sglang_evict.srt.backend import EvictingRadixCache
 from sglang_evict.srt.capture import claim_query_rows

@@ -1,6 +1,6 @@
 """The pass CUDA graphs' memory pool, counted against SGLang's KV pool.
 
-Passes replayed as CUDA graphs (``sglang_evict.pass_graphs``) keep their intermediates
+Passes replayed as CUDA graphs (``sglang_evict.passes.graphs``) keep their intermediates
 in one memory pool of their own, captured lazily while the server runs. SGLang sizes its
 KV pool at start-up from the memory it profiles free, so a pool growing afterwards would
 take memory SGLang left for activations and its own decode graphs. The server therefore

@@ -43,8 +43,8 @@ import logging
 import numpy as np
 import torch
 
-from sglang_evict.evictor import DueRequest, EvictionManager, PassResult
-from sglang_evict.pass_failures import classify
+from sglang_evict.passes.failures import classify
+from sglang_evict.passes.manager import DueRequest, EvictionManager, PassResult
 from sglang_evict.srt.active import Active
 from sglang_evict.srt.backend import EvictingRadixCache
 from sglang_evict.srt.capture import on_forward_batch

@@ -14,7 +14,7 @@ from compactor_service.health import socket_target
 from compactor_service.leases import InProcessLeaseStore, LeaseStore
 from compactor_service.tls import channel_credentials, parse_tcp_address
 from sglang_evict.config import EvictionConfig
-from sglang_evict.evictor import EvictionManager
+from sglang_evict.passes.manager import EvictionManager
 from sglang_evict.srt.pools import SGLangPoolAccess, share_kv_pool
 from sglang_evict.srt.request_policy import request_limits
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from compactor_service.cuda_ipc import export_cuda_buffers
 from compactor_service.shared_pool import PoolLayout, create_shared_buffers
-from sglang_evict.batch_pass.indices import arange
+from sglang_evict.passes.batch.indices import arange
 from sglang_evict.srt.versioned import free_page_ids, give_back_pages
 
 

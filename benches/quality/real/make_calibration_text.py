@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from sglang_evict.quality.needle import chat_ids  # noqa: E402
+from sglang_evict.quality.real.needle import chat_ids  # noqa: E402
 from sglang_evict.real_model import ensure_real_model  # noqa: E402
 
 TOPICS = (

@@ -1,8 +1,8 @@
 """A pass's requests as columns of host ints, from the due requests to the results.
 
 The host's share of a pass grows with its due requests, and a replayed pass
-(``sglang_evict.pass_graphs``) leaves the host little else to do, so that share is
-kept to array operations for the whole batch (``batch_pass.counts.BatchCounts``) and
+(``sglang_evict.passes.graphs``) leaves the host little else to do, so that share is
+kept to array operations for the whole batch (``passes.batch.counts.BatchCounts``) and
 one small object per request, built once: no counts object, no dataclass copy, no
 per-request lookup repeated.
 
@@ -12,7 +12,7 @@ per-request lookup repeated.
     commit_states    each request's ``RequestState`` after its pass (updated in place)
     pass_results     one ``PassResult`` per request
 
-The mechanism (``sglang_evict.evictor``) calls these; the state they read and update
+The mechanism (``sglang_evict.passes.manager``) calls these; the state they read and update
 is its ``states`` dict.
 """
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_evict.batch_pass.counts import BatchCounts, batch_pass_counts
 from sglang_evict.config import EvictionConfig
-from sglang_evict.pass_state import DueRequest, PassResult, RequestState
+from sglang_evict.passes.batch.counts import BatchCounts, batch_pass_counts
+from sglang_evict.passes.state import DueRequest, PassResult, RequestState
 from sglang_evict.request_policy import RequestPolicy
 
 

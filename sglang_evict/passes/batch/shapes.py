@@ -4,7 +4,7 @@ Every device tensor of a pass is sized by six host ints (``PassShape``). The exa
 pass sizes them by the due requests (the longest row, the most survivors, ...), so two
 passes rarely share a shape. The static-shape pass rounds each up to a bucket of a
 fixed ladder, so passes of a server in steady state share a handful of shapes and each
-shape can be captured once as a CUDA graph and replayed (``sglang_evict.pass_graphs``).
+shape can be captured once as a CUDA graph and replayed (``sglang_evict.passes.graphs``).
 
     field           exact                              static (bucketed)
     requests        due requests R                     next power of two
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_evict.batch_pass.counts import BatchCounts, ceil_div
+from sglang_evict.passes.batch.counts import BatchCounts, ceil_div
 
 
 def ladder_bucket(n: int) -> int:

@@ -1,7 +1,7 @@
 """The mechanism's data types: what it needs from the engine's pools
 (``KVPoolAccess``), the requests a pass covers (``DueRequest``), what it keeps per
 request (``RequestState``) and what a pass reports (``PassResult``).
-``sglang_evict.evictor`` explains the state they describe."""
+``sglang_evict.passes.manager`` explains the state they describe."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 of ``sglang-evict eval-real --kvpress``. Runs in the kvpress environment
 (``kvpress_bridge``: ``transformers<5.3``), imports only pure modules of this project:
 
-    <venv>/bin/python -m sglang_evict.quality.kvpress_real_peer --job job.json --out out.json
+    <venv>/bin/python -m sglang_evict.quality.real.kvpress_peer --job job.json --out out.json
 
 ``needle``      each prompt (system, haystack with the needle, question: the very token
                 ids SGLang's engines get) prefilled under a press that compresses it to
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_evict.quality.needle import Needle, found
+from sglang_evict.quality.real.needle import Needle, found
 
 NEEDLE_PRESSES = (
     "SnapKVPress",

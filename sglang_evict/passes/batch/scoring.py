@@ -56,7 +56,7 @@ def score_batch(scorer: Scorer, view: BatchKVView) -> Tensor:
         return scores.float()
     out = torch.zeros(view.slots.shape, dtype=torch.float32, device=view.slots.device)
     for r, length in enumerate(view.lengths):
-        if length == 0:  # a padded request (``batch_pass.shapes``): nothing to score
+        if length == 0:  # a padded request (``passes.batch.shapes``): nothing to score
             continue
         order = torch.argsort(view.positions[r, :length])  # logical order
         per_head = None

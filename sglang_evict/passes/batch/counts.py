@@ -1,7 +1,7 @@
 """What a pass will do to one request, computed on the host from lengths it already
 knows: never from device data.
 
-The batched pass (``sglang_evict.batch_pass``) must size every device tensor, give the
+The batched pass (``sglang_evict.passes.batch``) must size every device tensor, give the
 allocator a tensor of known length and shrink SGLang's lengths without reading
 anything back from the device. That works because the number of survivors follows from
 counts alone:

@@ -1,6 +1,6 @@
 """Batched survivor selection on the device: every due request of a pass at once.
 
-Same rule as ``sglang_evict.selection.select_survivors`` (the reference, tested
+Same rule as ``sglang_evict.passes.selection.select_survivors`` (the reference, tested
 against this): keep every protected token, then the best-scoring others up to the
 request's budget; ties go to the later token in logical order. Per request ``r`` the
 host already knows how many tokens go (``num_evicted[r] = kv_len - survivors``, see
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sglang_evict.batch_pass.indices import arange
+from sglang_evict.passes.batch.indices import arange
 
 _NEVER = torch.iinfo(torch.int64).max
 _LOW_31_BITS = 0x7FFFFFFF

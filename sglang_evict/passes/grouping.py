@@ -16,12 +16,14 @@ and ``auto`` picks the smallest N with ``share(N) <= TARGET_SHARE`` (1 %), at mo
 already paid for. It starts at 1, re-chooses every ``RECHOOSE_STEPS`` decode steps once
 it has seen a pass, and says each change in the log (``GroupChoice``).
 
-This module is policy: pure arithmetic over what the mechanism
-(``sglang_evict.evictor.EvictionManager.open_pass_step``) measures.
+This module is policy: arithmetic over what the mechanism
+(``sglang_evict.passes.manager.EvictionManager.open_pass_step``) measures, and the log
+line of each change.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -30,6 +32,8 @@ TARGET_SHARE = 0.01  # the pass's share of decode-step time auto keeps under
 AUTO_MAX_GROUP_STEPS = 32  # the most steps auto groups (admission counts this bound)
 RECHOOSE_STEPS = 64  # decode steps between two choices
 _EMA = 0.2  # weight of the newest sample in the running means
+
+logger = logging.getLogger(__name__)
 
 
 def choose_group_steps(
@@ -53,10 +57,33 @@ class GroupChoice:
     step_s: float = 0.0  # mean host time of a decode step, passes excluded
     passes_seen: int = 0
     steps_seen: int = 0
+    last_step_at_s: float | None = None  # host clock at the last decode step
+    pass_s_since_step: float = 0.0  # passes' host time since then (not a step's)
 
-    def note_pass(self, seconds: float) -> None:
-        self.pass_s = seconds if not self.passes_seen else _mix(self.pass_s, seconds)
-        self.passes_seen += 1
+    def note_pass(self, seconds: float, *, captured: bool = False) -> None:
+        """Count a pass's host time; a pass that captured a CUDA graph (a one-off
+        cost) is left out of the mean, never counted as a decode step's time."""
+        if not captured:
+            self.pass_s = seconds if not self.passes_seen else _mix(self.pass_s, seconds)
+            self.passes_seen += 1
+        self.pass_s_since_step += seconds
+
+    def step_at(self, now_s: float) -> None:
+        """A decode step starts at host time ``now_s``: the time since the last one,
+        passes left out, is a step's; each change of the choice is logged."""
+        if self.last_step_at_s is not None:
+            if self.note_step(now_s - self.last_step_at_s - self.pass_s_since_step):
+                logger.info(
+                    "sglang-evict: pass group steps (auto) now %d: passes %.3f ms, "
+                    "decode steps %.3f ms of host time on average (%s)",
+                    self.steps,
+                    self.pass_s * 1e3,
+                    self.step_s * 1e3,
+                    "pass share of step time under 1 %"
+                    if self.steps < AUTO_MAX_GROUP_STEPS
+                    else f"the largest group auto takes, {AUTO_MAX_GROUP_STEPS}",
+                )
+        self.last_step_at_s, self.pass_s_since_step = now_s, 0.0
 
     def note_step(self, seconds: float) -> bool:
         """Count a decode step's host time; True when the choice changed."""

@@ -17,17 +17,19 @@ a pass that costs the host O(1) per request and never waits for the device:
     inputs      the padded device inputs: host ints in one packed    nothing
                 copy, rows and positions gathered on the device
     indices     index vectors as views of one cached ``arange``      nothing
+    shapes      the pass's sizes, exact or padded to buckets (a      counts
+                static shape a CUDA graph replays)
 
-The mechanism (``sglang_evict.evictor.EvictionManager.run_batch_pass``) builds the
+The mechanism (``sglang_evict.passes.manager.EvictionManager.run_batch_pass``) builds the
 padded inputs from the pool, runs these, moves the slots in one launch and commits.
-The numpy planner (``sglang_evict.planner``) and ``sglang_evict.selection`` are the
+The numpy planner (``sglang_evict.passes.planner``) and ``sglang_evict.passes.selection`` are the
 references the tests hold these to.
 """
 
-from sglang_evict.batch_pass.counts import PassCounts, batch_strategy, pass_counts
-from sglang_evict.batch_pass.plan import BatchPlan, PlanInputs, plan_hole_fill, plan_repack
-from sglang_evict.batch_pass.scoring import score_batch, score_rows, score_rows_or_fall_back
-from sglang_evict.batch_pass.select import protected_ranges_mask, select_keep
+from sglang_evict.passes.batch.counts import PassCounts, batch_strategy, pass_counts
+from sglang_evict.passes.batch.plan import BatchPlan, PlanInputs, plan_hole_fill, plan_repack
+from sglang_evict.passes.batch.scoring import score_batch, score_rows, score_rows_or_fall_back
+from sglang_evict.passes.batch.select import protected_ranges_mask, select_keep
 
 __all__ = [
     "BatchPlan",

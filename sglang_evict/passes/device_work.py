@@ -1,13 +1,13 @@
 """A batched pass's device work, from two device buffers to committed rows.
 
 Everything a pass does on the pool's device, given the packed host ints
-(``batch_pass.inputs.host_columns``) and the claimed staging pages: gather the rows and
-positions, score, select, plan (``batch_pass``), move the slots in-process, and write
+(``passes.batch.inputs.host_columns``) and the claimed staging pages: gather the rows and
+positions, score, select, plan (``passes.batch``), move the slots in-process, and write
 the rows, positions, carried scores and offsets. Nothing here reads device data on the
 host or sizes a tensor from device data (shapes come from ``PassStep.shape``), so
-``device_pass`` is what a CUDA graph captures (``sglang_evict.pass_graphs``).
+``device_pass`` is what a CUDA graph captures (``sglang_evict.passes.graphs``).
 
-The functions act on an ``EvictionManager`` (``sglang_evict.evictor``), the mechanism
+The functions act on an ``EvictionManager`` (``sglang_evict.passes.manager``), the mechanism
 that owns the pool access and the per-row tables they update.
 """
 
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from compactor_service import tracing
-from sglang_evict.batch_pass import (
+from sglang_evict.passes.batch import (
     BatchPlan,
     PlanInputs,
     plan_hole_fill,
@@ -28,10 +28,10 @@ from sglang_evict.batch_pass import (
     score_rows_or_fall_back,
     select_keep,
 )
-from sglang_evict.batch_pass.counts import PAGE_COUNTS
-from sglang_evict.batch_pass.indices import arange
-from sglang_evict.batch_pass.inputs import gather_inputs, unpack_columns
-from sglang_evict.batch_pass.shapes import PassShape
+from sglang_evict.passes.batch.counts import PAGE_COUNTS
+from sglang_evict.passes.batch.indices import arange
+from sglang_evict.passes.batch.inputs import gather_inputs, unpack_columns
+from sglang_evict.passes.batch.shapes import PassShape
 from sglang_evict.scorers import Scorer
 from sglang_evict_kernels import repack_kv_independent
 

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 from sglang_evict.quality import kvpress_bridge
-from sglang_evict.quality.kvpress_real_peer import DECODING_PRESSES, NEEDLE_PRESSES
-from sglang_evict.quality.real_needle import MAX_NEW_TOKENS, NeedlePolicy
-from sglang_evict.quality.real_perplexity import PROMPT_TOKENS, PerplexityPolicy
+from sglang_evict.quality.real.kvpress_peer import DECODING_PRESSES, NEEDLE_PRESSES
+from sglang_evict.quality.real.needle_engine import MAX_NEW_TOKENS, NeedlePolicy
+from sglang_evict.quality.real.perplexity import PROMPT_TOKENS, PerplexityPolicy
 
-PEER_MODULE = "sglang_evict.quality.kvpress_real_peer"
+PEER_MODULE = "sglang_evict.quality.real.kvpress_peer"
 
 
 def write_job(path: Path, model_path: Path, settings, needle_samples, ppl_sequences) -> Path:

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from sglang_evict.batch_pass.counts import PAGE_COUNTS, BatchCounts
-from sglang_evict.batch_pass.indices import arange
-from sglang_evict.batch_pass.shapes import PassShape
+from sglang_evict.passes.batch.counts import PAGE_COUNTS, BatchCounts
+from sglang_evict.passes.batch.indices import arange
+from sglang_evict.passes.batch.shapes import PassShape
 from sglang_evict.scorers.base import BatchKVView
 
 # Per-request ints, one int64 row each of the packed tensor.
@@ -106,7 +106,7 @@ def gather_inputs(
     query_ring=None,
     accumulated_by_row: Tensor | None = None,
 ) -> BatchInputs:
-    """Rows and positions gathered on the device (``sglang_evict.evictor`` module
+    """Rows and positions gathered on the device (``sglang_evict.passes.manager`` module
     docstring: positions past ``compacted_len`` are ``index + offset``); with a
     ``query_ring`` (``sglang_evict.query_capture.QueryRing``) the requests' captured
     queries, with ``accumulated_by_row`` (float32, shaped like the positions table) the

@@ -11,11 +11,12 @@ once at ERROR with what to change, then counted (``FailureTracker.counts``, the
 ``SUMMARY_INTERVAL_S``; ``streak`` (``sglang_evict:pass_failure_streak``) is the number
 of failed passes since the last committed one, what an alert watches.
 
-Pure bookkeeping: no tensor, no engine; the ``EvictionManager`` owns one.
+Bookkeeping and its log lines: no tensor, no engine; the ``EvictionManager`` owns one.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from compactor_service.compactor import CompactionSkipped, CompactorUnavailable, LeaseRefused
 from compactor_service.plan import PlanError
 from compactor_service.redis_leases import LeaseStoreUnavailable
+
+logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_STEPS = 256
 SUMMARY_INTERVAL_S = 60.0
@@ -130,3 +133,28 @@ class FailureTracker:
         summary, self._since_summary = dict(self._since_summary), Counter()
         self._last_summary_s = now
         return summary
+
+    def note_failure(self, rids: list[str], error: Exception, step: int) -> None:
+        """Record a failed pass of ``rids`` at decode ``step`` (``failed``) and say it:
+        loudly, with the knob, the first time its cause is seen; afterwards at most in
+        a periodic summary."""
+        cause, hint, first = self.failed(rids, error, step)
+        if first:
+            logger.error(
+                "sglang-evict: a pass of %d request(s) failed (%s): %s. Fix: %s. Its "
+                "requests keep their full KV and back off; further failures of this cause "
+                "are counted (pass_failures_total{cause=%r}) and summarised every minute",
+                len(rids),
+                cause,
+                error,
+                hint,
+                cause,
+            )
+        summary = self.summary_due()
+        if summary and not first:
+            logger.warning(
+                "sglang-evict: passes failed in the last minute, by cause: %s (%d failed "
+                "passes in a row now)",
+                summary,
+                self.streak,
+            )

@@ -5,15 +5,15 @@ Paul Graham essays (``sglang-evict real-text``), two tasks, each through the pat
 runs, every server scorer at every budget against the full cache on the same inputs:
 
     needle       SGLang's real engine, ``--kv-evict-prompt``, page size 16
-                 (``quality.real_needle``); retrieval accuracy
+                 (``quality.real.needle_engine``); retrieval accuracy
     perplexity   essay text one token per decode step through the real decode path
-                 (``quality.real_perplexity``); perplexity against the full cache's
+                 (``quality.real.perplexity``); perplexity against the full cache's
     kvpress      (``--kvpress``) kvpress 0.5.5's presses on the same prompts and
-                 sequences, in its own environment (``quality.kvpress_real_peer``)
+                 sequences, in its own environment (``quality.real.kvpress_peer``)
 
 Everything lands in ``<out>/results.json`` as it completes, so an interrupted run
 resumes; ``results.md`` and ``results.png`` are drawn from it
-(``quality.real_report``).
+(``quality.real.report``).
 """
 
 from __future__ import annotations
@@ -185,8 +185,8 @@ def run(
         )
     needle_samples = []
     if "needle" in settings.tasks:
-        from sglang_evict.quality.needle import build_samples
-        from sglang_evict.quality.real_needle import run_needle
+        from sglang_evict.quality.real.needle import build_samples
+        from sglang_evict.quality.real.needle_engine import run_needle
 
         needle_samples = build_samples(
             text,
@@ -214,7 +214,7 @@ def run(
             model_path, tokenizer, text, settings, results, stats, path, progress
         )
     if settings.kvpress:
-        from sglang_evict.quality.real_kvpress import run_kvpress
+        from sglang_evict.quality.real.kvpress import run_kvpress
 
         results["kvpress"] = run_kvpress(
             model_path, settings, needle_samples, ppl_sequences, out, kvpress_venv, progress
@@ -229,7 +229,7 @@ def _run_perplexity(model_path, tokenizer, text, settings, results, stats, path,
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from sglang_evict.quality import real_perplexity as ppl
+    from sglang_evict.quality.real import perplexity as ppl
     from sglang_evict.reference_model import PagedLlama
 
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

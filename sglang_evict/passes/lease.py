@@ -26,7 +26,7 @@ from torch import Tensor
 from compactor_service.compactor import LeaseClaim
 from compactor_service.leases import Lease, LeaseStore
 from compactor_service.redis_leases import LeaseStoreUnavailable
-from sglang_evict.pass_failures import LeaseBusy
+from sglang_evict.passes.failures import LeaseBusy
 
 logger = logging.getLogger(__name__)
 

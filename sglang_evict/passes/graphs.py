@@ -3,7 +3,7 @@
 A pass's device work (gather, score, select, plan, the in-process moves and the row,
 position and offset writes) is a few hundred tensor operations; dispatched one by one
 it costs the host milliseconds, and SGLang's scheduler waits for that between two
-decode steps. A static-shape pass (``sglang_evict.batch_pass.shapes``) reads its
+decode steps. A static-shape pass (``sglang_evict.passes.batch.shapes``) reads its
 varying inputs from two device buffers only (the packed host ints and the claimed
 staging pages), so it can be captured once per ``PassKey`` and replayed:
 
@@ -51,8 +51,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from sglang_evict.batch_pass.inputs import COLUMNS
-from sglang_evict.batch_pass.shapes import PassShape
+from sglang_evict.passes.batch.inputs import COLUMNS
+from sglang_evict.passes.batch.shapes import PassShape
 
 logger = logging.getLogger(__name__)
 

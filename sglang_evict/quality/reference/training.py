@@ -1,7 +1,7 @@
 """Training of the quality reference model (``benches/quality/train_reference_model.py``).
 
 A small HF ``LlamaForCausalLM`` (RoPE, GQA, RMSNorm, SwiGLU) learns the recall-chain
-task (``sglang_evict.quality.task``) from a fixed seed, on CPU, with a curriculum that
+task (``sglang_evict.quality.reference.task``) from a fixed seed, on CPU, with a curriculum that
 grows the number of facts and distractors stage by stage. The loss is taken on the
 answer tokens only (facts and distractors are random: nothing to predict there).
 
@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from sglang_evict.quality.task import (
+from sglang_evict.quality.reference.task import (
     HELD_OUT_SEED_BASE,
     VARIANTS,
     VOCAB_SIZE,

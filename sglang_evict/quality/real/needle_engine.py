@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_evict.quality.needle import NeedleSample, found
+from sglang_evict.quality.real.needle import NeedleSample, found
 from sglang_evict.request_policy import report_of
 
 PLAIN = "plain"

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_evict.quality.harness import ENGINE, FULL_CACHE, RESULTS_FORMAT
+from sglang_evict.quality.reference.harness import ENGINE, FULL_CACHE, RESULTS_FORMAT
 
 
 def load_results(path: str | Path, *, for_rendering: bool = False) -> dict:

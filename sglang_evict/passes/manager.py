@@ -1,8 +1,8 @@
 """The eviction mechanism: owns per-request state and runs batched passes on a paged
 KV pool.
 
-Policy (scorers, selection, planning: ``sglang_evict.batch_pass``) is pure; this module
-(with ``sglang_evict.pass_device``, a pass's device work, and ``sglang_evict.pass_graphs``,
+Policy (scorers, selection, planning: ``sglang_evict.passes.batch``) is pure; this module
+(with ``sglang_evict.passes.device_work``, a pass's device work, and ``sglang_evict.passes.graphs``,
 its replay as a CUDA graph) is where state changes: it reads the due requests' rows,
 has the policy choose and plan on the device, moves the slots, commits the new rows and
 frees pages. It talks to the
@@ -13,7 +13,7 @@ One pass per decode step, for every due request
 ``run_batch_pass`` costs the host O(1) per request and never reads device data:
 
     host                                        device (the pool's stream)
-    counts per request (``batch_pass.counts``)
+    counts per request (``passes.batch.counts``)
     one packed copy of the per-request ints ->  rows, positions, protection masks
                                                 scores [R, N] -> keep [R, N]
     staging pages claimed (repack)          ->  plan [R, K]: new rows, moves, releases
@@ -25,22 +25,14 @@ One pass per decode step, for every due request
 The pass lease (fencing token) is taken only around the moves, after scoring and
 planning, so a pass never loses it to its own scoring time, however long: in-process
 the moves follow the grant at once; with the sidecar its TTL covers a call's deadline
-(``sglang_evict.pass_lease``) and it is renewed before each further call of a split pass.
+(``sglang_evict.passes.lease``) and it is renewed before each further call of a split pass.
 A pass that fails before anything moved leaves its requests with their full KV and
-backs them off (``sglang_evict.pass_failures``: not due again for 2, 4, 8 ... decode
+backs them off (``sglang_evict.passes.failures``: not due again for 2, 4, 8 ... decode
 steps), so a refusal never repeats the same work at every step; each cause is logged
 once with the knob that fixes it.
 
-With the gRPC sidecar the plans go to the host first (``BatchPlan.to_host_plans``, a
-synchronisation): its API carries host plans. Once the ``Compact`` call was sent, a
-failure may come after some slots moved (the sidecar died mid-copy, then the
-in-process fallback could not check the lease because the lease store is down too), so
-the pass is then completed in-process from the same plan (moves are idempotent and
-write no survivor: the planner's invariant 3) and committed, without a lease:
-``forced_completions`` counts it. Only refusals that prove nothing moved (an invalid
-plan, a refused lease, a lease store down, a call whose kernel the pool's fence says
-never started, ``CompactionSkipped``) skip a pass; a later call of a split pass failing
-after an earlier one moved slots (``PassPartlyDone``) is completed like a failure.
+Moving the slots, in-process or through the gRPC sidecar, and completing a pass a
+sidecar failure cut short: ``sglang_evict.passes.moves``.
 
 Per-request state and positions
 -------------------------------
@@ -71,12 +63,11 @@ pass stores every survivor's score there, moved with it.
 
 Invariants (tests call ``check_request`` after every operation): positions are
 distinct and below the next position; the appended tail is contiguous; and the
-protected ranges the host counts rely on (``batch_pass.counts``) are held in full.
+protected ranges the host counts rely on (``passes.batch.counts``) are held in full.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -86,50 +77,47 @@ import torch
 from torch import Tensor
 
 from compactor_service import tracing
-from compactor_service.compactor import Compactor, LeaseClaim, nothing_moved
+from compactor_service.compactor import Compactor, LeaseClaim
 from compactor_service.leases import LeaseStore
-from compactor_service.redis_leases import LeaseStoreUnavailable
-from sglang_evict.batch_pass import (
+from sglang_evict.config import EvictionConfig
+from sglang_evict.passes.batch import (
     BatchPlan,
     PassCounts,
     batch_strategy,
     pass_counts,
 )
-from sglang_evict.batch_pass.counts import BatchCounts, protected_count
-from sglang_evict.batch_pass.inputs import host_columns
-from sglang_evict.batch_pass.shapes import pass_shape
-from sglang_evict.config import EvictionConfig
-from sglang_evict.pass_device import (
+from sglang_evict.passes.batch.counts import BatchCounts, protected_count
+from sglang_evict.passes.batch.inputs import host_columns
+from sglang_evict.passes.batch.shapes import pass_shape
+from sglang_evict.passes.device_work import (
     PassStep,
     commit_writes,
     device_pass,
     pad_claimed,
     score_and_plan,
 )
-from sglang_evict.pass_failures import FailureTracker
-from sglang_evict.pass_graphs import PassGraphs, PassKey
-from sglang_evict.pass_grouping import AUTO, AUTO_MAX_GROUP_STEPS, GroupChoice
-from sglang_evict.pass_lease import PassLease
-from sglang_evict.pass_state import (
-    DueRequest,
-    KVPoolAccess,
-    PassResult,
-    RequestState,
-)
-from sglang_evict.pass_work import (
+from sglang_evict.passes.failures import FailureTracker
+from sglang_evict.passes.graphs import PassGraphs, PassKey
+from sglang_evict.passes.grouping import AUTO, GroupChoice
+from sglang_evict.passes.host_work import (
     PassWork,
     check_rows,
     commit_states,
     pass_results,
     pass_work,
 )
+from sglang_evict.passes.lease import PassLease
+from sglang_evict.passes.moves import claim_staging, move_slots
+from sglang_evict.passes.state import (
+    DueRequest,
+    KVPoolAccess,
+    PassResult,
+    RequestState,
+)
 from sglang_evict.query_capture import QueryRing
 from sglang_evict.request_policy import RequestLimits, RequestPolicy, default_policy
 from sglang_evict.scorers import Scorer, build_scorer
-from sglang_evict_kernels import device_int64, repack_kv_independent
-
-logger = logging.getLogger(__name__)
-
+from sglang_evict_kernels import device_int64
 
 __all__ = [
     "DueRequest",
@@ -175,9 +163,9 @@ class EvictionManager:
     # The requests' captured queries, by request-pool row (query-reading scorers).
     query_ring: QueryRing | None = None
     decode_steps: int = 0  # decode steps counted by ``open_pass_step``
-    # Failed passes: per-request backoff, counts by cause (``sglang_evict.pass_failures``).
+    # Failed passes: per-request backoff, counts by cause (``sglang_evict.passes.failures``).
     failures: FailureTracker = field(default_factory=FailureTracker)
-    # Pad passes to bucketed shapes (``batch_pass.shapes``); False: exact shapes, the
+    # Pad passes to bucketed shapes (``passes.batch.shapes``); False: exact shapes, the
     # reference ``tests/test_static_shape_pass.py`` holds the padded pass to.
     static_shapes: bool = True
 
@@ -211,11 +199,9 @@ class EvictionManager:
         self.bytes_per_slot = sum(
             b[0].numel() * b.element_size() for b in (*self.pool.k_buffers, *self.pool.v_buffers)
         )
-        # ``--kv-pass-group-steps auto``: the server's choice (``pass_grouping``).
+        # ``--kv-pass-group-steps auto``: the server's choice (``passes.grouping``).
         self.group_choice = GroupChoice() if config.pass_group_steps == AUTO else None
-        self._last_step_at: float | None = None
-        self._pass_s_since_step = 0.0
-        # Passes replayed as CUDA graphs (``sglang_evict.pass_graphs``); None: eager.
+        # Passes replayed as CUDA graphs (``sglang_evict.passes.graphs``); None: eager.
         self.graphs = None
         if config.pass_cuda_graph and self.device.type != "cuda":
             raise ValueError(
@@ -404,7 +390,7 @@ class EvictionManager:
     @property
     def pass_group_steps(self) -> int:
         """Decode steps one pass serves now (``--kv-pass-group-steps``; with ``auto``
-        the server's current choice, ``sglang_evict.pass_grouping``)."""
+        the server's current choice, ``sglang_evict.passes.grouping``)."""
         if self.group_choice is not None:
             return self.group_choice.steps
         return self.config.pass_group_steps
@@ -415,22 +401,8 @@ class EvictionManager:
         share one pass. With ``auto`` the host time since the last step (passes left
         out) feeds the choice."""
         self.decode_steps += 1
-        choice = self.group_choice
-        if choice is not None:
-            now = time.perf_counter()
-            if self._last_step_at is not None:
-                if choice.note_step(now - self._last_step_at - self._pass_s_since_step):
-                    logger.info(
-                        "sglang-evict: pass group steps (auto) now %d: passes %.3f ms, "
-                        "decode steps %.3f ms of host time on average (%s)",
-                        choice.steps,
-                        choice.pass_s * 1e3,
-                        choice.step_s * 1e3,
-                        "pass share of step time under 1 %"
-                        if choice.steps < AUTO_MAX_GROUP_STEPS
-                        else f"the largest group auto takes, {AUTO_MAX_GROUP_STEPS}",
-                    )
-            self._last_step_at, self._pass_s_since_step = now, 0.0
+        if self.group_choice is not None:
+            self.group_choice.step_at(time.perf_counter())
         return self.decode_steps % self.pass_group_steps == 0
 
     def run_batch_pass(self, due: Sequence[DueRequest]) -> list[PassResult]:
@@ -468,46 +440,17 @@ class EvictionManager:
             except BaseException as error:
                 span.set_attribute(tracing.ATTR_OUTCOME, f"failed: {type(error).__name__}")
                 if isinstance(error, Exception):
-                    self._note_failure([d.rid for d in due], error)
+                    self.failures.note_failure([d.rid for d in due], error, self.decode_steps)
                 raise
             self.failures.succeeded(d.rid for d in due)
-            if self.group_choice is not None:
-                spent = time.perf_counter() - start
-                if not work.captured:  # a capture is a one-off cost, not a pass's
-                    self.group_choice.note_pass(spent)
-                self._pass_s_since_step += spent  # never a decode step's time
+            if self.group_choice is not None:  # a capture is a one-off cost, not a pass's
+                self.group_choice.note_pass(time.perf_counter() - start, captured=work.captured)
             span.set_attribute(tracing.ATTR_OUTCOME, "committed")
             if recording:
                 span.set_attribute(tracing.ATTR_TOKENS_AFTER, int(counts.survivors.sum()))
                 span.set_attribute(tracing.ATTR_PAGES_FREED, int(counts.pages_freed.sum()))
                 span.set_attribute(tracing.ATTR_STRATEGY, results[0].strategy)
         return results
-
-    # --- failures ----------------------------------------------------------------------
-
-    def _note_failure(self, rids: list[str], error: Exception) -> None:
-        """Back the pass's requests off, count the cause, say it once (loudly, with the
-        knob) and then at most in a periodic summary."""
-        cause, hint, first = self.failures.failed(rids, error, self.decode_steps)
-        if first:
-            logger.error(
-                "sglang-evict: a pass of %d request(s) failed (%s): %s. Fix: %s. Its "
-                "requests keep their full KV and back off; further failures of this cause "
-                "are counted (pass_failures_total{cause=%r}) and summarised every minute",
-                len(rids),
-                cause,
-                error,
-                hint,
-                cause,
-            )
-        summary = self.failures.summary_due()
-        if summary and not first:
-            logger.warning(
-                "sglang-evict: passes failed in the last minute, by cause: %s (%d failed "
-                "passes in a row now)",
-                summary,
-                self.failures.streak,
-            )
 
     # --- the pass --------------------------------------------------------------------
 
@@ -549,7 +492,7 @@ class EvictionManager:
         )
         total_staging = int(staging_counts.sum())
         num_released = int(counts.pages_freed.sum()) + total_staging
-        claimed = self._claim_staging(total_staging)
+        claimed = claim_staging(self.pool, total_staging)
         try:
             if graphable:
                 key = PassKey(
@@ -574,7 +517,7 @@ class EvictionManager:
                 columns, rows_raw, scores, plan = score_and_plan(
                     self, step, packed_device, staging_device
                 )
-                lease = self.lease.acquire()  # only around the moves (``pass_lease``)
+                lease = self.lease.acquire()  # only around the moves (``passes.lease``)
                 if lease is not None:
                     span.set_attribute(tracing.ATTR_FENCING_TOKEN, lease.token)
                 try:
@@ -597,7 +540,7 @@ class EvictionManager:
         return pass_results(work, scorers, strategy, copies, duration_s, self.bytes_per_slot)
 
     def _graphable(self, scorers: list[Scorer]) -> bool:
-        """Whether this pass is replayed as a CUDA graph (``sglang_evict.pass_graphs``):
+        """Whether this pass is replayed as a CUDA graph (``sglang_evict.passes.graphs``):
         graphs on, moves in-process, one rank, and one scorer whose batched form reads
         device data only."""
         if self.graphs is None:
@@ -610,46 +553,14 @@ class EvictionManager:
         )
 
     def _device_pass(self, step: PassStep, packed: Tensor, staging: Tensor):
-        """``pass_device.device_pass`` on this manager: what a replayed pass runs."""
+        """``passes.device_work.device_pass`` on this manager: what a replayed pass runs."""
         return device_pass(self, step, packed, staging)
 
-    def _claim_staging(self, total: int) -> Tensor | None:
-        """The repack staging pages the allocator hands out (None: none needed)."""
-        if total == 0:
-            return None
-        claimed = self.pool.alloc_pages(total)
-        if claimed is None:  # batch_strategy checked the free count; raced by nothing here
-            raise RuntimeError(f"the allocator could not give {total} staging pages")
-        return claimed
-
     def _move(self, plan: BatchPlan, counts: BatchCounts, claim: LeaseClaim | None) -> Tensor:
-        """Move the slots; returns the copies per request (``[R]``, on the device for
-        in-process moves). Raises only when nothing moved. In-process the moves follow
-        the lease's grant at once, in this process: no fencing check can fail between
-        them (the sidecar checks the claim when a call arrives)."""
-        src, dst = plan.src.reshape(-1), plan.dst.reshape(-1)
-        if self.compactor is None:
-            repack_kv_independent(self.pool.k_buffers, self.pool.v_buffers, src, dst)
-            return plan.move_counts()
-        host_plans = plan.to_host_plans(counts.survivors.tolist(), counts.frozen_len.tolist())
-        try:
-            self.compactor.compact(host_plans, claim)
-        except Exception as error:
-            if isinstance(error, LeaseStoreUnavailable):  # the compactor's store: pause too
-                self.lease.note_down()
-            if nothing_moved(error):
-                raise
-            # The sidecar may have moved part of the plan: complete it from the same
-            # plan, here, and commit (invariant 3 makes the re-run safe; the pool's
-            # fence guarantees no late copy of it can follow).
-            self.forced_completions += 1
-            logger.error(
-                "sglang-evict: compactor failed after the pass was sent (%s); completing "
-                "it in-process",
-                error,
-            )
-            repack_kv_independent(self.pool.k_buffers, self.pool.v_buffers, src, dst)
-        return torch.tensor([p.num_moves for p in host_plans], dtype=torch.int64)
+        """``moves.move_slots`` on this manager's pool and compactor."""
+        copies, forced = move_slots(self.pool, self.compactor, self.lease, plan, counts, claim)
+        self.forced_completions += forced
+        return copies
 
     # --- invariants ------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sglang_evict.batch_pass.indices import arange
+from sglang_evict.passes.batch.indices import arange
 
 
 class TensorPool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from sglang_evict.quality.real_needle import PLAIN, summarise
+from sglang_evict.quality.real.needle_engine import PLAIN, summarise
 
 
 def needle_rows(results: dict) -> list[dict]:

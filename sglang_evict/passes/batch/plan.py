@@ -1,7 +1,7 @@
 """Batched compaction planning on the device: ``hole_fill`` and ``repack`` for every
 due request at once, as tensor operations (no loop over requests, pages or tokens).
 
-The numpy planner (``sglang_evict.planner.plan_compaction``) is the reference: these
+The numpy planner (``sglang_evict.passes.planner.plan_compaction``) is the reference: these
 plans need not copy its choices, but the tests hold them to the same contract, for
 every request (``check_plan_invariants``): page-structured new rows reading exactly the
 survivors, no move ever writing a survivor's slot, shared pages untouched, and the same
@@ -51,8 +51,8 @@ import torch
 from torch import Tensor
 
 from compactor_service.plan import CompactionPlan
-from sglang_evict.batch_pass.counts import PAGE_COUNTS, ceil_div, page_counts
-from sglang_evict.batch_pass.indices import arange
+from sglang_evict.passes.batch.counts import PAGE_COUNTS, ceil_div, page_counts
+from sglang_evict.passes.batch.indices import arange
 
 _LAST = torch.iinfo(torch.int64).max
 

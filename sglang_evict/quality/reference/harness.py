@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
-from sglang_evict.quality.task import VARIANTS, Sample, TaskSpec, held_out_samples, score_chain
+from sglang_evict.quality.reference.task import (
+    VARIANTS,
+    Sample,
+    TaskSpec,
+    held_out_samples,
+    score_chain,
+)
 
 RESULTS_FORMAT = "sglang-evict/quality-results"
 RESULTS_VERSION = 1
@@ -166,7 +172,7 @@ QUICK_SETTINGS = dict(
 
 def load_checkpoint(path: str | Path):
     """The reference model of ``path`` (an HF folder: config.json + safetensors)."""
-    from sglang_evict.quality.task import VOCAB_SIZE
+    from sglang_evict.quality.reference.task import VOCAB_SIZE
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -301,7 +307,7 @@ def calibrate_triattention(model, settings: EvalSettings, out_path: Path) -> Pat
     seed ``CALIBRATION_DATA_SEED``, not the held-out set), one sequence per chunk; the
     same computation as ``sglang-evict calibrate``."""
     from sglang_evict.calibrate import calibrate
-    from sglang_evict.quality.task import make_sample
+    from sglang_evict.quality.reference.task import make_sample
     from sglang_evict.scorers.triattention_stats import save_stats
 
     token_ids = []

@@ -3,7 +3,7 @@
 Runs in its own environment (kvpress needs ``transformers<5.3``; SGLang 0.5.17 pins
 5.12.1), started by ``sglang_evict.quality.kvpress_bridge``:
 
-    <venv>/bin/python -m sglang_evict.quality.kvpress_peer --job job.json --out peer.json
+    <venv>/bin/python -m sglang_evict.quality.reference.kvpress_peer --job job.json --out peer.json
 
 Imports only the task module of this project (pure Python). Each press runs two ways:
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_evict.quality.task import Sample, TaskSpec, score_chain
+from sglang_evict.quality.reference.task import Sample, TaskSpec, score_chain
 
 PRESSES = ("StreamingLLMPress", "KnormPress", "SnapKVPress", "TOVAPress", "ExpectedAttentionPress")
 MODES = ("prefill", "decoding")

@@ -1,0 +1,17 @@
+"""The real-model evaluation (``sglang-evict eval-real``): SmolLM2-135M-Instruct
+(``sglang-evict real-model``: 4-bit weights dequantised) and the Paul Graham essays
+(``sglang-evict real-text``), each task through the path a user runs.
+
+| module        | cares about                                   | in -> out                      |
+|---------------|-----------------------------------------------|--------------------------------|
+| needle        | the needle prompts and the check (pure)       | essays, seed -> samples; found |
+| needle_engine | the needle task in SGLang's real engine       | samples, policy -> answers     |
+| perplexity    | decode-time perplexity through the decode path| text -> NLL per token          |
+| kvpress       | the job kvpress's peer runs, its results      | token ids -> peer entries      |
+| kvpress_peer  | kvpress's presses on the same ids (own venv)  | job JSON -> results JSON       |
+| evaluation    | the run: settings, resumable results          | settings -> results.json       |
+| report        | tables and the plot                           | results.json -> .md, .png      |
+
+Import rule: ``needle`` is pure Python (the kvpress peer builds the same prompts under
+its own ``transformers``); ``kvpress_peer`` imports only ``needle``.
+"""
