@@ -5,11 +5,17 @@ Each kernel has a launcher, its device code, and a plain torch reference beside 
 tests and benchmarks compare against the reference. This package imports neither
 ``sglang_evict`` nor ``compactor_service``.
 
-    module     job
-    repack     slot moves across every layer's K and V (the compaction's copy)
-    scoring    key scores where the keys lie in the pool (``knorm``, ``triattention``)
-    normalize  the batched pass's fused per-row score normalisation
-    _device    host ints to device tensors in one copy
+    module          job
+    repack          slot moves across every layer's K and V (the compaction's copy)
+    scoring         key scores where the keys lie in the pool (``knorm``,
+                    ``triattention``)
+    normalize       the batched pass's fused per-row score normalisation
+    tier_format     the quantized tier's format (KIVI layout, OTT's outlier tokens),
+                    its storage and the torch reference quantizer
+    tier_quant      quantize-and-pack groups of tokens into the tier (launcher)
+    tier_attention  decode attention over the tier with its log-sum-exp; the merge
+    tier_jit        the tier's Triton device code
+    _device         host ints to device tensors in one copy
 """
 
 from sglang_evict_kernels._device import device_int64, to_device

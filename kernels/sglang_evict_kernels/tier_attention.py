@@ -1,0 +1,168 @@
+"""Decode attention over the quantized tier, as a partial attention with its
+log-sum-exp, and the merge of two partial attentions.
+
+A request's decode query attends to its full-precision tokens (SGLang's pages) and to
+its tier (groups of ``TierStore``). Each side is a partial attention over its own keys:
+
+    lse = log sum_j exp(s_j),   o = sum_j exp(s_j - lse) v_j,   s_j = sm_scale * q . k_j
+
+(natural log; an empty side has ``lse = -inf`` and ``o = 0``), and the two merge
+exactly into the softmax over all tokens (the online-softmax merge):
+
+    m = max(lse_a, lse_b);  w_a = exp(lse_a - m);  w_b = exp(lse_b - m)
+    o = (w_a o_a + w_b o_b) / (w_a + w_b);  lse = m + log(w_a + w_b)
+
+``tier_attention_reference`` dequantizes (``tier_format.dequantize_groups_reference``)
+and computes the softmax in float32; ``tier_attention_triton`` reads the packed bytes,
+one program per (request, query head), groups streamed with an online softmax.
+Queries ``[B, Hq, D]`` share KV heads in groups of ``Hq / H`` (GQA); a request's groups
+are the slots ``group_table[b, :num_groups[b]]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from sglang_evict_kernels.tier_format import TierFormat, TierStore, dequantize_groups_reference
+
+
+def check_attention_inputs(
+    q: Tensor, store: TierStore, group_table: Tensor, num_groups: Tensor, fmt: TierFormat
+) -> None:
+    if q.dim() != 3 or q.shape[-1] != fmt.head_dim:
+        raise ValueError(
+            f"queries must be [requests, q heads, {fmt.head_dim}]; got {tuple(q.shape)}"
+        )
+    kv_heads = store.k_codes.shape[2]
+    if q.shape[1] % kv_heads:
+        raise ValueError(f"{q.shape[1]} query heads do not share {kv_heads} KV heads evenly")
+    if group_table.dim() != 2 or group_table.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"group_table must be [requests, max groups] for {q.shape[0]} requests; "
+            f"got {tuple(group_table.shape)}"
+        )
+    if num_groups.shape != (q.shape[0],):
+        raise ValueError(f"num_groups must be [{q.shape[0]}]; got {tuple(num_groups.shape)}")
+
+
+def tier_attention_reference(
+    q: Tensor,
+    store: TierStore,
+    group_table: Tensor,
+    num_groups: Tensor,
+    fmt: TierFormat,
+    sm_scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """float32 ``(o [B, Hq, D], lse [B, Hq])`` over each request's tier groups."""
+    check_attention_inputs(q, store, group_table, num_groups, fmt)
+    sm_scale = 1.0 / math.sqrt(fmt.head_dim) if sm_scale is None else sm_scale
+    b, hq, d = q.shape
+    kv_heads = store.k_codes.shape[2]
+    per_kv = hq // kv_heads
+    o = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    for r in range(b):
+        count = int(num_groups[r])
+        if count == 0:
+            continue
+        slots = group_table[r, :count].long()
+        k, v = dequantize_groups_reference(store.take(slots), fmt)  # [n, G, H, D]
+        k = k.reshape(-1, kv_heads, d).repeat_interleave(per_kv, dim=1)  # [T, Hq, D]
+        v = v.reshape(-1, kv_heads, d).repeat_interleave(per_kv, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[r].float(), k) * sm_scale  # [Hq, T]
+        lse[r] = torch.logsumexp(scores, dim=-1)
+        o[r] = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v)
+    return o, lse
+
+
+def attention_with_lse_reference(
+    q: Tensor, k: Tensor, v: Tensor, sm_scale: float
+) -> tuple[Tensor, Tensor]:
+    """float32 ``(o [Hq, D], lse [Hq])`` of one query ``[Hq, D]`` over full-precision
+    ``k``/``v`` ``[T, H, D]`` (GQA): the other side of a merge, in tests and the CPU
+    path."""
+    hq, d = q.shape
+    if k.shape[0] == 0:
+        return torch.zeros(hq, d, device=q.device), torch.full(
+            (hq,), float("-inf"), device=q.device
+        )
+    per_kv = hq // k.shape[1]
+    k = k.float().repeat_interleave(per_kv, dim=1)
+    v = v.float().repeat_interleave(per_kv, dim=1)
+    scores = torch.einsum("hd,thd->ht", q.float(), k) * sm_scale
+    return torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v), torch.logsumexp(
+        scores, dim=-1
+    )
+
+
+def merge_attention_states(
+    o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The softmax over both sides' tokens from two partial attentions (module
+    docstring); ``o`` ``[..., D]``, ``lse`` ``[...]``; a side with ``lse = -inf`` adds
+    nothing, two empty sides give ``o = 0``, ``lse = -inf``."""
+    m = torch.maximum(lse_a, lse_b)
+    finite = torch.isfinite(m)
+    m_safe = torch.where(finite, m, torch.zeros_like(m))
+    w_a = torch.exp(lse_a - m_safe)
+    w_b = torch.exp(lse_b - m_safe)
+    total = w_a + w_b
+    denom = torch.where(finite, total, torch.ones_like(total))
+    o = (o_a.float() * w_a.unsqueeze(-1) + o_b.float() * w_b.unsqueeze(-1)) / denom.unsqueeze(-1)
+    lse = torch.where(finite, m_safe + torch.log(denom), m)
+    return o, lse
+
+
+def _kernel():
+    from sglang_evict_kernels import tier_jit
+
+    return tier_jit.attention_kernel
+
+
+def tier_attention_triton(
+    q: Tensor,
+    store: TierStore,
+    group_table: Tensor,
+    num_groups: Tensor,
+    fmt: TierFormat,
+    sm_scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``tier_attention_reference``'s result from the packed bytes, in one launch."""
+    check_attention_inputs(q, store, group_table, num_groups, fmt)
+    store.check_contiguous()
+    sm_scale = 1.0 / math.sqrt(fmt.head_dim) if sm_scale is None else sm_scale
+    b, hq, d = q.shape
+    o = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+    if b == 0:
+        return o, lse
+    table = group_table.to(torch.int32).contiguous()
+    _kernel()[(b, hq)](
+        q.contiguous(),
+        table,
+        num_groups.to(torch.int32).contiguous(),
+        store.k_codes,
+        store.k_scale,
+        store.k_zero,
+        store.v_codes,
+        store.v_scale,
+        store.v_zero,
+        store.out_index,
+        store.out_k,
+        store.out_v,
+        o,
+        lse,
+        float(sm_scale),
+        table.shape[1],
+        HQ=hq,
+        H=store.k_codes.shape[2],
+        D=d,
+        G=fmt.group_tokens,
+        C=fmt.value_group_channels,
+        BITS=fmt.bits,
+        N_OUT=store.outliers,
+    )
+    return o, lse

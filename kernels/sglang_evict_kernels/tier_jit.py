@@ -1,0 +1,205 @@
+"""The tier's device code (``@triton.jit``): the quantize-and-pack kernel
+(``tier_quant``'s launcher) and the decode attention kernel (``tier_attention``'s).
+Imported only when a launcher first runs: importing it imports Triton."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def to_scale_dtype(x, dtype: tl.constexpr):
+    """float32 to the scale dtype, rounding to nearest even as torch does (Triton's
+    interpreter truncates to bfloat16: the rounding is done on the bits first)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def quantize_kernel(
+    k_buf,
+    v_buf,
+    token_slots,  # [N, G] int64
+    group_slots,  # [N] int64
+    k_codes,
+    k_scale,
+    k_zero,
+    v_codes,
+    v_scale,
+    v_zero,
+    out_index,
+    out_k,
+    out_v,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    N_OUT: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    P: tl.constexpr = D * BITS // 8
+    g = tl.arange(0, G)
+    d = tl.arange(0, D)
+    rows = tl.load(token_slots + n * G + g)  # [G] token slots in the buffers
+    offs = (rows[:, None] * H + h) * D + d[None, :]
+    k = tl.load(k_buf + offs).to(tl.float32)  # [G, D]
+    v = tl.load(v_buf + offs).to(tl.float32)
+    slot = tl.load(group_slots + n)
+
+    # Outlier tokens: the N_OUT smallest key L1 norms, ties to the earlier token.
+    is_out = g < 0
+    if N_OUT > 0:
+        norms = tl.sum(tl.abs(k.to(tl.float64)), axis=1)  # [G]
+        for _ in tl.static_range(N_OUT):
+            pick = tl.argmin(norms, axis=0, tie_break_left=True)
+            is_out = is_out | (g == pick)
+            norms = tl.where(g == pick, float("inf"), norms)
+        rank = tl.cumsum(is_out.to(tl.int32), axis=0) - 1  # ascending token order
+        o_base = (slot * H + h) * N_OUT
+        tl.store(out_index + o_base + rank, g.to(tl.int16), mask=is_out)
+        o_offs = (o_base + rank)[:, None] * D + d[None, :]
+        tl.store(out_k + o_offs, tl.load(k_buf + offs), mask=is_out[:, None])
+        tl.store(out_v + o_offs, tl.load(v_buf + offs), mask=is_out[:, None])
+
+    # Keys: per channel over the group's other tokens.
+    lo = tl.min(tl.where(is_out[:, None], float("inf"), k), axis=0)  # [D]
+    hi = tl.max(tl.where(is_out[:, None], float("-inf"), k), axis=0)
+    s = to_scale_dtype(tl.div_rn(hi - lo, LEVELS * 1.0), k_scale.dtype.element_ty)
+    z = to_scale_dtype(lo, k_zero.dtype.element_ty)
+    tl.store(k_scale + (slot * H + h) * D + d, s)
+    tl.store(k_zero + (slot * H + h) * D + d, z)
+    s32 = s.to(tl.float32)
+    z32 = z.to(tl.float32)
+    safe = tl.where(s32 > 0, s32, 1.0)
+    kc = tl.floor(tl.div_rn(k - z32[None, :], safe[None, :]) + 0.5)
+    kc = tl.minimum(tl.maximum(kc, 0.0), LEVELS * 1.0)
+    kc = tl.where(s32[None, :] > 0, kc, 0.0).to(tl.int32)
+
+    # Values: per token over blocks of C channels.
+    vb = tl.reshape(v, (G, D // C, C))
+    vlo = tl.min(vb, axis=2)  # [G, D // C]
+    vhi = tl.max(vb, axis=2)
+    vs = to_scale_dtype(tl.div_rn(vhi - vlo, LEVELS * 1.0), v_scale.dtype.element_ty)
+    vz = to_scale_dtype(vlo, v_zero.dtype.element_ty)
+    blocks = tl.arange(0, D // C)
+    vs_offs = ((slot * G + g[:, None]) * H + h) * (D // C) + blocks[None, :]
+    tl.store(v_scale + vs_offs, vs)
+    tl.store(v_zero + vs_offs, vz)
+    vs32 = vs.to(tl.float32)
+    vz32 = vz.to(tl.float32)
+    vsafe = tl.where(vs32 > 0, vs32, 1.0)
+    vc = tl.floor(tl.div_rn(vb - vz32[:, :, None], vsafe[:, :, None]) + 0.5)
+    vc = tl.minimum(tl.maximum(vc, 0.0), LEVELS * 1.0)
+    vc = tl.where(vs32[:, :, None] > 0, vc, 0.0).to(tl.int32)
+    vc = tl.reshape(vc, (G, D))
+
+    # Pack eight codes into BITS bytes (little-endian), both tensors.
+    code_base = ((slot * G + g) * H + h) * P  # [G]
+    if BITS == 8:
+        tl.store(k_codes + code_base[:, None] + d[None, :], kc.to(tl.uint8))
+        tl.store(v_codes + code_base[:, None] + d[None, :], vc.to(tl.uint8))
+    else:
+        shifts = tl.arange(0, 8) * BITS
+        kw = tl.sum(tl.reshape(kc, (G, D // 8, 8)) << shifts[None, None, :], axis=2)
+        vw = tl.sum(tl.reshape(vc, (G, D // 8, 8)) << shifts[None, None, :], axis=2)
+        j = tl.arange(0, 4)  # bytes of a chunk (BITS <= 4 of them)
+        chunk = tl.arange(0, D // 8)
+        b_offs = code_base[:, None, None] + chunk[None, :, None] * BITS + j[None, None, :]
+        keep = (j < BITS)[None, None, :] & (g >= 0)[:, None, None]
+        tl.store(
+            k_codes + b_offs,
+            ((kw[:, :, None] >> (j * 8)[None, None, :]) & 255).to(tl.uint8),
+            mask=keep,
+        )
+        tl.store(
+            v_codes + b_offs,
+            ((vw[:, :, None] >> (j * 8)[None, None, :]) & 255).to(tl.uint8),
+            mask=keep,
+        )
+
+
+@triton.jit
+def attention_kernel(
+    q,  # [B, Hq, D]
+    group_table,  # [B, W] int32
+    num_groups,  # [B] int32
+    k_codes,
+    k_scale,
+    k_zero,
+    v_codes,
+    v_scale,
+    v_zero,
+    out_index,
+    out_k,
+    out_v,
+    o,  # [B, Hq, D] float32
+    lse,  # [B, Hq] float32
+    sm_scale,
+    W,
+    HQ: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    N_OUT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    h = hq // (HQ // H)
+    P: tl.constexpr = D * BITS // 8
+    g = tl.arange(0, G)
+    d = tl.arange(0, D)
+    query = tl.load(q + (b * HQ + hq) * D + d).to(tl.float32)
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([D], dtype=tl.float32)
+    count = tl.load(num_groups + b)
+    for i in range(0, count):
+        slot = tl.load(group_table + b * W + i).to(tl.int64)
+        rows = ((slot * G + g) * H + h) * P
+        ks = tl.load(k_scale + (slot * H + h) * D + d).to(tl.float32)
+        kz = tl.load(k_zero + (slot * H + h) * D + d).to(tl.float32)
+        # Unpack eight codes from each BITS bytes (little-endian), keys and values.
+        if BITS == 8:
+            kc = tl.load(k_codes + rows[:, None] + d[None, :]).to(tl.int32)
+            vc = tl.load(v_codes + rows[:, None] + d[None, :]).to(tl.int32)
+        else:
+            byte = tl.arange(0, 4)
+            chunk = tl.arange(0, D // 8)
+            offs = rows[:, None, None] + chunk[None, :, None] * BITS + byte[None, None, :]
+            keep = (byte < BITS)[None, None, :] & (rows >= 0)[:, None, None]
+            lift = (byte * 8)[None, None, :]
+            shifts = (tl.arange(0, 8) * BITS)[None, None, :]
+            kw = tl.sum(tl.load(k_codes + offs, mask=keep, other=0).to(tl.int32) << lift, axis=2)
+            vw = tl.sum(tl.load(v_codes + offs, mask=keep, other=0).to(tl.int32) << lift, axis=2)
+            kc = tl.reshape((kw[:, :, None] >> shifts) & ((1 << BITS) - 1), (G, D))
+            vc = tl.reshape((vw[:, :, None] >> shifts) & ((1 << BITS) - 1), (G, D))
+        k = kc.to(tl.float32) * ks[None, :] + kz[None, :]
+        blocks = ((slot * G + g[:, None]) * H + h) * (D // C) + tl.arange(0, D // C)[None, :]
+        vs = tl.load(v_scale + blocks).to(tl.float32)  # [G, D // C]
+        vz = tl.load(v_zero + blocks).to(tl.float32)
+        vcodes = tl.reshape(vc.to(tl.float32), (G, D // C, C))
+        v = tl.reshape(vcodes * vs[:, :, None] + vz[:, :, None], (G, D))
+        for j in tl.static_range(N_OUT):  # outlier tokens: their own rows
+            o_row = (slot * H + h) * N_OUT + j
+            at = tl.load(out_index + o_row).to(tl.int32)
+            here = (g == at)[:, None]
+            k = tl.where(here, tl.load(out_k + o_row * D + d).to(tl.float32)[None, :], k)
+            v = tl.where(here, tl.load(out_v + o_row * D + d).to(tl.float32)[None, :], v)
+        scores = tl.sum(k * query[None, :], axis=1) * sm_scale  # [G]
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new)
+        total = total * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m = m_new
+    empty = count == 0
+    safe = tl.where(empty, 1.0, total)
+    tl.store(o + (b * HQ + hq) * D + d, tl.where(empty, 0.0, acc / safe))
+    tl.store(lse + b * HQ + hq, tl.where(empty, float("-inf"), m + tl.log(safe)))

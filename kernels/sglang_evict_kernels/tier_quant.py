@@ -1,0 +1,121 @@
+"""Quantize-and-pack: whole groups of tokens from a layer's full-precision KV buffers
+into the tier's group slots (``tier_format``), in one launch.
+
+``quantize_into(store, group_slots, k_buffer, v_buffer, token_slots, fmt)`` reads the
+``G`` tokens of each group where they lie (``token_slots [N, G]`` into the buffers
+``[tokens, H, D]``) and writes group ``n`` at ``store``'s slot ``group_slots[n]``.
+``quantize_into_reference`` gathers and runs ``quantize_groups_reference``;
+``quantize_into_triton`` is one program per (group, KV head): outlier tokens by
+iterated ``argmin`` over float64 L1 norms (ties to the earlier token, as the
+reference's stable sort), the key ranges over the others, codes with
+round-to-nearest divisions (``div_rn``: the reference's IEEE float32 division), packed
+eight codes to ``bits`` bytes in registers. The tests hold it to the reference bit for
+bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sglang_evict_kernels.tier_format import TierFormat, TierStore, quantize_groups_reference
+
+
+def check_quantize_inputs(
+    store: TierStore,
+    group_slots: Tensor,
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    token_slots: Tensor,
+    fmt: TierFormat,
+) -> None:
+    if k_buffer.shape != v_buffer.shape or k_buffer.dim() != 3:
+        raise ValueError(
+            f"k_buffer and v_buffer must be [tokens, kv heads, head dim] alike; got "
+            f"{tuple(k_buffer.shape)} and {tuple(v_buffer.shape)}"
+        )
+    if k_buffer.shape[1:] != (*store.k_codes.shape[2:3], fmt.head_dim):
+        raise ValueError(
+            f"buffers of {k_buffer.shape[1]} heads x {k_buffer.shape[2]} do not fit a store "
+            f"of {store.k_codes.shape[2]} heads x {fmt.head_dim}"
+        )
+    if token_slots.dim() != 2 or token_slots.shape != (group_slots.numel(), fmt.group_tokens):
+        raise ValueError(
+            f"token_slots must be [{group_slots.numel()} groups, {fmt.group_tokens} tokens]; "
+            f"got {tuple(token_slots.shape)}"
+        )
+
+
+def quantize_into_reference(
+    store: TierStore,
+    group_slots: Tensor,
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    token_slots: Tensor,
+    fmt: TierFormat,
+) -> None:
+    check_quantize_inputs(store, group_slots, k_buffer, v_buffer, token_slots, fmt)
+    if group_slots.numel() == 0:
+        return
+    rows = token_slots.long()
+    groups = quantize_groups_reference(k_buffer[rows], v_buffer[rows], fmt, store.outliers)
+    store.write(group_slots.long(), groups)
+
+
+def quantize_into(
+    store: TierStore,
+    group_slots: Tensor,
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    token_slots: Tensor,
+    fmt: TierFormat,
+    use_triton: bool | None = None,
+) -> None:
+    """The Triton kernel on a GPU (or when asked), the reference otherwise."""
+    triton = k_buffer.is_cuda if use_triton is None else use_triton
+    run = quantize_into_triton if triton else quantize_into_reference
+    run(store, group_slots, k_buffer, v_buffer, token_slots, fmt)
+
+
+def _kernel():
+    from sglang_evict_kernels import tier_jit
+
+    return tier_jit.quantize_kernel
+
+
+def quantize_into_triton(
+    store: TierStore,
+    group_slots: Tensor,
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    token_slots: Tensor,
+    fmt: TierFormat,
+) -> None:
+    check_quantize_inputs(store, group_slots, k_buffer, v_buffer, token_slots, fmt)
+    store.check_contiguous()
+    n = group_slots.numel()
+    if n == 0:
+        return
+    heads = k_buffer.shape[1]
+    n_out = store.outliers
+    _kernel()[(n, heads)](
+        k_buffer.contiguous(),
+        v_buffer.contiguous(),
+        token_slots.to(torch.int64).contiguous(),
+        group_slots.to(torch.int64).contiguous(),
+        store.k_codes,
+        store.k_scale,
+        store.k_zero,
+        store.v_codes,
+        store.v_scale,
+        store.v_zero,
+        store.out_index,
+        store.out_k,
+        store.out_v,
+        H=heads,
+        D=fmt.head_dim,
+        G=fmt.group_tokens,
+        C=fmt.value_group_channels,
+        BITS=fmt.bits,
+        N_OUT=n_out,
+    )
