@@ -20,6 +20,9 @@ parts is a package with its own table.
     passes/           the eviction pass: policy (``passes.batch``, ``selection``,
                       ``planner``) and the mechanism that owns per-request state
                       (``passes.manager``)
+    tier/             the quantized tier's policy: what a pass demotes instead of
+                      evicting, the bytes a request holds (format and kernels:
+                      ``sglang_evict_kernels.tier_*``)
     query_capture     the query ring the query-reading scorers read
     metrics           the plugin's Prometheus metrics
     srt/              everything that touches SGLang internals (the only package)
