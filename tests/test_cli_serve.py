@@ -18,7 +18,7 @@ from compactor_service.secrets import REDIS_URL_ENV
 from sglang_evict import cli, cli_flags
 from sglang_evict.calibrate import calibrate
 from sglang_evict.scorers.triattention_stats import save_stats
-from sglang_evict.srt.server_args import CONFIG_ENV, config_from_env
+from sglang_evict.srt.server_args import CONFIG_ENV, config_from_env, parse_server_args
 from tests.sglang_harness import NUM_LAYERS, Engine
 from tests.test_plugin import build_context, engine_shaped_llama
 
@@ -233,3 +233,17 @@ def test_dry_run_without_an_accelerator_says_to_add_device_cpu_in_one_line(model
     assert "Traceback" not in result.stderr
     for known in (*KNOWN_WARNINGS, *KNOWN_LOG_RECORDS):
         assert not re.search(known.message, result.stderr), known
+
+
+def test_parsing_a_servers_arguments_leaves_this_processs_environment_as_it_was(model_dir):
+    """SGLang 0.5.17's parsing sets process-wide switches for the server it prepares
+    (``SGLANG_ENABLE_CP_V2`` for a Llama); left in this process, SGLang's PrefillAdder
+    here asked for a context-parallel group no one created, and the admission tests
+    failed whenever they ran after these in one process."""
+    from tests.test_admission import adder, policy
+
+    before = dict(os.environ)
+    parse_server_args(["--model-path", str(model_dir), "--device", "cpu"], dry_run=True)
+    assert dict(os.environ) == before
+    engine = Engine(page_size=1, config=policy(1))
+    assert adder(engine, []).rem_total_tokens > 0  # SGLang's admission runs here after it

@@ -16,6 +16,7 @@ without the network.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -403,11 +404,19 @@ def parse_server_args(argv: list[str], *, dry_run: bool = False):
 
     from sglang_evict.calibrate import first_line
 
+    environment = dict(os.environ)
     try:
         return prepare_server_args([*argv, *backend_flags()])
     except (ValueError, AssertionError, NotImplementedError, RuntimeError) as error:
         # SGLang's own validation of the combination (it asserts some of it).
         raise ValueError(f"SGLang refuses these arguments: {first_line(error)}") from None
+    finally:
+        # Parsing sets process-wide switches for the server it prepares (0.5.17 sets
+        # SGLANG_ENABLE_CP_V2 for a Llama); the server sets them again in its own
+        # process. Left here, they change what SGLang's classes do in this one (its
+        # PrefillAdder then asks for a context-parallel group no one created).
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def backend_flags() -> list[str]:
