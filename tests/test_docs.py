@@ -43,7 +43,7 @@ EXTERNAL_FLAGS = {
     },
     "python -m venv": {"--system-site-packages"},
     "helm": {"--create-namespace"},
-    "pytest": {"--strict-markers", "--dist"},
+    "pytest": {"--strict-markers", "--dist", "--durations"},
 }
 README_MAX_LINES = 300
 
