@@ -415,8 +415,11 @@ def parse_server_args(argv: list[str], *, dry_run: bool = False):
         # SGLANG_ENABLE_CP_V2 for a Llama); the server sets them again in its own
         # process. Left here, they change what SGLang's classes do in this one (its
         # PrefillAdder then asks for a context-parallel group no one created).
-        os.environ.clear()
-        os.environ.update(environment)
+        for key in set(os.environ) - set(environment):
+            del os.environ[key]
+        for key, value in environment.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
 
 
 def backend_flags() -> list[str]:
