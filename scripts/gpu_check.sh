@@ -2,7 +2,7 @@
 # The project's GPU checks, run ON a GPU machine from the repo root (CI has no GPU):
 #
 #   bash scripts/gpu_check.sh tests     # the tests that skip without CUDA, and the kernels compiled for real
-#   bash scripts/gpu_check.sh benches   # bench_pass and bench_step_hooks --device cuda, bench_repack, bench_scoring
+#   bash scripts/gpu_check.sh benches   # bench_pass and bench_step_hooks --device cuda, bench_repack, bench_scoring, bench_tier
 #   bash scripts/gpu_check.sh engine    # benches/engine_eviction.py: SGLang's engine, eviction on vs off
 #   bash scripts/gpu_check.sh tests benches engine   # several parts, in order, one set-up
 #
@@ -56,6 +56,7 @@ benches)
   if [ -z "${BENCH_PASS_ARGS:-}" ]; then
     timeout "$t" python3 benches/bench_repack.py 2>&1 | tee "$out/bench_repack.txt"
     timeout "$t" python3 benches/bench_scoring.py 2>&1 | tee "$out/bench_scoring.txt"
+    timeout "$t" python3 benches/bench_tier.py 2>&1 | tee "$out/bench_tier.txt"
   fi
   ;;
 engine)

@@ -80,6 +80,20 @@ def test_repack_bench_runs_its_smoke_configuration_on_cpu():
     assert "tri/copy" in header and len(row.split()) == 8
 
 
+def test_tier_bench_runs_its_smoke_configuration_on_cpu():
+    """``bench_tier.py --smoke``: both tier kernels and the copy on one tiny
+    configuration (Triton's interpreter); one row with the two ratios."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHES / "bench_tier.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    header, row = result.stdout.strip().splitlines()[-2:]
+    assert "attn/copy" in header and len(row.split()) == 9
+
+
 @pytest.mark.parametrize("strategy", ["hole_fill", "repack"])
 def test_pass_bench_dispatches_as_many_operations_whatever_the_budget_and_due_requests(strategy):
     """``bench_pass.py``'s ``ops/pass`` column: the tensor operations one batched pass

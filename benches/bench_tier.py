@@ -1,0 +1,119 @@
+"""The quantized tier's kernels, side by side with a device-to-device copy in one run
+(GPU): quantize-and-pack (``tier_quant``) and decode attention over the tier
+(``tier_attention``).
+
+For each (bits, requests, groups per request) it times, on the same tensors:
+
+    quantize    quantize_into_triton: a pass's worth of groups from the KV buffers into
+                the tier (reads the full-precision rows, writes codes and scales)
+    attention   tier_attention_triton: one decode query per request and query head over
+                its tier groups (reads the packed bytes, scales and outlier rows)
+    copy        one contiguous device-to-device copy of the bytes the kernel reads
+
+and prints each kernel's bytes read per second as a ratio to the copy's. The goal
+(issue): attention >= 0.70 of the copy on its packed bytes. ``--smoke`` runs one tiny
+configuration on CPU (Triton's interpreter) to check the script; its figures mean
+nothing. Model shape: a Llama-8B layer (8 KV heads, 32 query heads, head dim 128),
+groups of 32 tokens, 3 outlier tokens.
+
+    python3 benches/bench_tier.py                # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_repack import timed
+
+BITS = (2, 3, 4)
+REQUESTS = (16, 64)
+GROUPS = (32, 128)  # tier groups per request (1,024 and 4,096 tokens)
+
+
+def bench_one(bits: int, requests: int, groups: int, device: str, shape: dict) -> dict:
+    from sglang_evict_kernels.tier_attention import tier_attention_triton
+    from sglang_evict_kernels.tier_format import TierFormat, TierStore
+    from sglang_evict_kernels.tier_quant import quantize_into_triton
+
+    kv_heads, q_heads, head_dim = shape["kv_heads"], shape["q_heads"], shape["head_dim"]
+    fmt = TierFormat(bits=bits, group_tokens=32, head_dim=head_dim, outlier_tokens=3)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    slots = requests * groups
+    store = TierStore.empty(fmt, slots, kv_heads, dtype, device)
+    tokens = slots * fmt.group_tokens
+    k_buf = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
+    v_buf = torch.randn_like(k_buf)
+    token_slots = torch.randperm(tokens, device=device).reshape(slots, fmt.group_tokens)
+    group_slots = torch.arange(slots, device=device)
+    quantize_into_triton(store, group_slots, k_buf, v_buf, token_slots, fmt)
+    table = group_slots.reshape(requests, groups).to(torch.int32)
+    counts = torch.full((requests,), groups, dtype=torch.int32, device=device)
+    q = torch.randn(requests, q_heads, head_dim, dtype=dtype, device=device)
+
+    # Bytes each kernel must read at least: the rows it quantizes; the store it attends.
+    quantize_bytes = 2 * tokens * kv_heads * head_dim * k_buf.element_size()
+    attention_bytes = store.nbytes() - store.out_index.numel() * 2  # indices are tiny
+    flat = torch.empty(max(quantize_bytes, attention_bytes), dtype=torch.uint8, device=device)
+    flat_dst = torch.empty_like(flat)
+    seconds = {
+        "quantize": timed(
+            lambda: quantize_into_triton(store, group_slots, k_buf, v_buf, token_slots, fmt),
+            device,
+        ),
+        "attention": timed(lambda: tier_attention_triton(q, store, table, counts, fmt), device),
+        "copy_quantize": timed(
+            lambda: flat_dst[:quantize_bytes].copy_(flat[:quantize_bytes]), device
+        ),
+        "copy_attention": timed(
+            lambda: flat_dst[:attention_bytes].copy_(flat[:attention_bytes]), device
+        ),
+    }
+    return {
+        "quantize": quantize_bytes / seconds["quantize"],
+        "attention": attention_bytes / seconds["attention"],
+        "copy_quantize": quantize_bytes / seconds["copy_quantize"],
+        "copy_attention": attention_bytes / seconds["copy_attention"],
+        "attention_mib": attention_bytes / 2**20,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="one tiny CPU configuration")
+    args = parser.parse_args()
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        device, grid = "cpu", [(3, 2, 2)]
+        shape = {"kv_heads": 2, "q_heads": 4, "head_dim": 64}
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("bench_tier needs a CUDA GPU (use --smoke to check the script on CPU)")
+        device = "cuda"
+        grid = [(b, r, g) for b in BITS for r in REQUESTS for g in GROUPS]
+        shape = {"kv_heads": 8, "q_heads": 32, "head_dim": 128}
+        print(f"device: {torch.cuda.get_device_name()}")
+    print(
+        f"{'bits':>5}{'reqs':>6}{'groups':>8}{'tier MiB':>10}{'quant GB/s':>12}"
+        f"{'attn GB/s':>11}{'copy GB/s':>11}{'quant/copy':>12}{'attn/copy':>11}"
+    )
+    for bits, requests, groups in grid:
+        r = bench_one(bits, requests, groups, device, shape)
+        print(
+            f"{bits:>5}{requests:>6}{groups:>8}{r['attention_mib']:>10.1f}"
+            f"{r['quantize'] / 1e9:>12.2f}{r['attention'] / 1e9:>11.2f}"
+            f"{r['copy_attention'] / 1e9:>11.2f}"
+            f"{r['quantize'] / r['copy_quantize']:>12.2f}"
+            f"{r['attention'] / r['copy_attention']:>11.2f}"
+        )
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
