@@ -68,29 +68,28 @@ def test_engine_script_help_runs_without_a_gpu():
     assert result.returncode == 0 and "--page-size" in result.stdout
 
 
-def test_repack_bench_runs_its_smoke_configuration_on_cpu():
+def smoke_table(script: str) -> tuple[str, str]:
+    """The header and the one row a kernel bench's ``--smoke`` run prints last."""
     result = subprocess.run(
-        [sys.executable, str(BENCHES / "bench_repack.py"), "--smoke"],
+        [sys.executable, str(BENCHES / script), "--smoke"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     header, row = result.stdout.strip().splitlines()[-2:]
+    return header, row
+
+
+def test_repack_bench_runs_its_smoke_configuration_on_cpu():
+    header, row = smoke_table("bench_repack.py")
     assert "tri/copy" in header and len(row.split()) == 8
 
 
 def test_tier_bench_runs_its_smoke_configuration_on_cpu():
     """``bench_tier.py --smoke``: both tier kernels and the copy on one tiny
     configuration (Triton's interpreter); one row with the two ratios."""
-    result = subprocess.run(
-        [sys.executable, str(BENCHES / "bench_tier.py"), "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    header, row = result.stdout.strip().splitlines()[-2:]
+    header, row = smoke_table("bench_tier.py")
     assert "attn/copy" in header and len(row.split()) == 9
 
 
