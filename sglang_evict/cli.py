@@ -36,6 +36,7 @@ from sglang_evict.cli_flags import (
     add_request_limit_flags,
     config_from_args,
     int_flag,
+    refuse_tier_in_engine,
 )
 from sglang_evict.config import COMPACTION_STRATEGIES, MAX_PAGE_SIZE
 from sglang_evict.passes.planner import (
@@ -56,6 +57,7 @@ SCORE_KV_HEADS = 2
 
 def _simulate(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    refuse_tier_in_engine(config, "simulate")
     scorer = config.make_scorer()
     num_tokens = args.tokens
     generator = torch.Generator().manual_seed(args.seed)
@@ -214,6 +216,7 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
     redis_url, redis_line = _redis_url(args)
     args.kv_redis_url = redis_url
     config = config_from_args(args)  # our flags first: nothing of SGLang is loaded yet
+    refuse_tier_in_engine(config, "serve")
     use_triton_interpreter_without_gpu()
     if args.dry_run:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a dry run never downloads

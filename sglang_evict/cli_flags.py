@@ -96,6 +96,50 @@ def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None
         help="the most memory the pass CUDA graphs may hold, taken out of the KV pool when "
         "they are on; pass shapes past it run eagerly (default: %(default)s)",
     )
+    tier = parser.add_argument_group(
+        "quantized tier",
+        "keep at low precision what a pass would evict, evict only beyond the tier "
+        "(docs/architecture.md). The paged reference path runs it so far (eval-tier); "
+        "serve, demo and simulate refuse these flags until SGLang's engine does",
+    )
+    tier.add_argument(
+        "--kv-tier-bits",
+        type=int,
+        default=None,
+        metavar="BITS",
+        help="2, 3, 4 or 8: the tier's bits per element (default: no tier)",
+    )
+    tier.add_argument(
+        "--kv-tier-group", type=int, default=32, metavar="G", help="tokens quantized together"
+    )
+    tier.add_argument(
+        "--kv-tier-value-group",
+        type=int,
+        default=32,
+        metavar="C",
+        help="channels sharing a value range",
+    )
+    tier.add_argument(
+        "--kv-tier-outliers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="outlier tokens per group and KV head kept in full precision (OTT)",
+    )
+    tier.add_argument(
+        "--kv-tier-tokens",
+        type=int,
+        default=4096,
+        metavar="TOKENS",
+        help="the most tokens one request's tier holds (whole groups)",
+    )
+    tier.add_argument(
+        "--kv-tier-pool-share",
+        type=float,
+        default=0.25,
+        metavar="SHARE",
+        help="the share of the KV memory the tier's arena takes",
+    )
     parser.add_argument(
         "--kv-sink-tokens",
         type=int_flag(0, MAX_SINK_TOKENS),
@@ -253,6 +297,19 @@ def admission_fields(args: argparse.Namespace) -> dict:
     return dict(admission=args.kv_admission, pressure_passes=not args.kv_no_pressure_passes)
 
 
+def tier_fields(args: argparse.Namespace) -> dict:
+    if not hasattr(args, "kv_tier_bits"):
+        return {}
+    return dict(
+        tier_bits=args.kv_tier_bits,
+        tier_group_tokens=args.kv_tier_group,
+        tier_value_group_channels=args.kv_tier_value_group,
+        tier_outlier_tokens=args.kv_tier_outliers,
+        tier_max_tokens=args.kv_tier_tokens,
+        tier_pool_share=args.kv_tier_pool_share,
+    )
+
+
 def compactor_fields(args: argparse.Namespace) -> dict:
     if not hasattr(args, "kv_compactor"):
         return {}
@@ -297,6 +354,7 @@ def config_from_args(args: argparse.Namespace) -> EvictionConfig:
         page_size=args.page_size,
         query_window_tokens=args.kv_query_window,
         evict_prompt=args.kv_evict_prompt,
+        **tier_fields(args),
         **compactor_fields(args),
         **request_limit_fields(args),
         **admission_fields(args),
@@ -317,3 +375,14 @@ def scorer_params(pairs: list[str]) -> dict:
         except ValueError:
             params[key] = value
     return params
+
+
+def refuse_tier_in_engine(config: EvictionConfig, command: str) -> None:
+    """The tier runs in the paged reference path so far: a command that would run it in
+    SGLang's engine (or ignore it) refuses ``--kv-tier-*`` in one line."""
+    if config.tier_bits is not None:
+        raise ValueError(
+            f"--kv-tier-bits: the quantized tier runs in the paged reference path so far "
+            f"(sglang-evict eval-tier; MemoryDriver in Python); SGLang's engine does not "
+            f"merge its attention yet, so {command} refuses it: drop --kv-tier-*"
+        )

@@ -132,6 +132,19 @@ class EvictionConfig:
         pass_graph_pool_mib: the most memory the pass graphs may hold; a server with
             pass graphs on takes it out of SGLang's KV pool, and shapes past it run
             eagerly (``--kv-pass-graph-pool-mib``; ``sglang_evict.passes.graphs``).
+        tier_bits: the quantized tier's bits per element (2, 3, 4 or 8), or None (the
+            default): no tier, a pass evicts what it does not keep (``--kv-tier-bits``).
+            With a tier, what a pass would evict enters the request's tier in whole
+            groups instead, and only a full tier gives groups up (``sglang_evict.tier``).
+        tier_group_tokens: tokens quantized together, G (``--kv-tier-group``).
+        tier_value_group_channels: channels sharing a value range, C
+            (``--kv-tier-value-group``).
+        tier_outlier_tokens: OTT's outlier tokens per group and KV head, kept in full
+            precision (``--kv-tier-outliers``; none in the first two layers).
+        tier_max_tokens: the most tokens one request's tier holds, a whole number of
+            groups (``--kv-tier-tokens``).
+        tier_pool_share: the share of the KV memory the tier's arena takes when the
+            pool is sized (``--kv-tier-pool-share``; ``sglang_evict.tier.arena``).
 
     How per-head scores combine into one keep-set per request is a scorer parameter
     (``head_normalization``, ``head_reduction``; see ``sglang_evict.scorers.base``).
@@ -169,6 +182,12 @@ class EvictionConfig:
     pass_group_steps: int | str = 1
     pass_cuda_graph: bool | None = None
     pass_graph_pool_mib: int = DEFAULT_PASS_GRAPH_POOL_MIB
+    tier_bits: int | None = None
+    tier_group_tokens: int = 32
+    tier_value_group_channels: int = 32
+    tier_outlier_tokens: int = 0
+    tier_max_tokens: int = 4096
+    tier_pool_share: float = 0.25
     _scorer: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -214,6 +233,7 @@ class EvictionConfig:
         _require_int("pass_graph_pool_mib", self.pass_graph_pool_mib, 1, MAX_PASS_GRAPH_POOL_MIB)
         _require_int("compactor_timeout_ms", self.compactor_timeout_ms, 1)
         self._check_compactor_transport()
+        self._check_tier()
         _require_int("lease_ttl_ms", self.lease_ttl_ms, 1)
         if self.lease_store == "redis" and not self.redis_url:
             raise ValueError(
@@ -233,6 +253,67 @@ class EvictionConfig:
         from sglang_evict.scorers import build_scorer
 
         object.__setattr__(self, "_scorer", build_scorer(self.scorer, self.scorer_params))
+
+    def _check_tier(self) -> None:
+        """The tier's flags, each refusal naming its flag (the head dim is checked
+        against the model's when the manager starts: ``tier_format``)."""
+        if self.tier_bits is None:
+            return
+        from sglang_evict_kernels.tier_format import SUPPORTED_BITS
+
+        if isinstance(self.tier_bits, bool) or self.tier_bits not in SUPPORTED_BITS:
+            raise ValueError(
+                f"--kv-tier-bits {self.tier_bits!r}: the tier stores 2, 3, 4 or 8 bits"
+            )
+        g = self.tier_group_tokens
+        _require_int("tier_group_tokens (--kv-tier-group)", g, 8, 1 << 12)
+        if g & (g - 1):
+            raise ValueError(f"--kv-tier-group {g}: a power of two of at least 8")
+        c = self.tier_value_group_channels
+        _require_int("tier_value_group_channels (--kv-tier-value-group)", c, 8, 128)
+        if c & (c - 1):
+            raise ValueError(f"--kv-tier-value-group {c}: a power of two of at least 8")
+        _require_int("tier_outlier_tokens (--kv-tier-outliers)", self.tier_outlier_tokens, 0)
+        if self.tier_outlier_tokens >= g // 2:
+            raise ValueError(
+                f"--kv-tier-outliers {self.tier_outlier_tokens}: below half a group "
+                f"({g // 2} for --kv-tier-group {g})"
+            )
+        _require_int("tier_max_tokens (--kv-tier-tokens)", self.tier_max_tokens, 1)
+        if self.tier_max_tokens < g or self.tier_max_tokens % g:
+            raise ValueError(
+                f"--kv-tier-tokens {self.tier_max_tokens}: the tier holds whole groups of "
+                f"{g} tokens (--kv-tier-group); give a multiple of {g}, at least {g}"
+            )
+        share = self.tier_pool_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share < 1:
+            raise ValueError(
+                f"--kv-tier-pool-share {share!r}: the share of the KV memory the tier's "
+                f"arena takes, in (0, 1)"
+            )
+
+    def tier_format(self, head_dim: int, scale_dtype=None):
+        """The tier's ``TierFormat`` for a model of ``head_dim`` (None: no tier); a head
+        dim the kernels do not hold is refused naming ``--kv-tier-bits``."""
+        if self.tier_bits is None:
+            return None
+        import torch
+
+        from sglang_evict_kernels.tier_format import SUPPORTED_HEAD_DIMS, TierFormat
+
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"--kv-tier-bits: the tier's kernels hold head dims {list(SUPPORTED_HEAD_DIMS)}; "
+                f"this model's is {head_dim}: run it without --kv-tier-bits"
+            )
+        return TierFormat(
+            bits=self.tier_bits,
+            group_tokens=self.tier_group_tokens,
+            value_group_channels=self.tier_value_group_channels,
+            outlier_tokens=self.tier_outlier_tokens,
+            head_dim=head_dim,
+            scale_dtype=scale_dtype or torch.float16,
+        )
 
     def _check_request_limits(self) -> None:
         for name, flag, value, default in (

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from sglang_evict.cli_flags import config_from_args
+from sglang_evict.cli_flags import config_from_args, refuse_tier_in_engine
 from sglang_evict.real_model import WEIGHTS_NOTE
 from sglang_evict.triton_env import use_triton_interpreter_without_gpu
 
@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     config = config_from_args(args)
+    refuse_tier_in_engine(config, "demo")
     log_dir = _log_dir(args.log_dir)
     model_path, chat = _model_folder(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))

@@ -58,6 +58,18 @@ def build_tiny_llama(
     return model.to(dtype).eval()
 
 
+@dataclass(frozen=True)
+class TierContext:
+    """One request's quantized tier for a forward: the arena's per-layer stores, the
+    request's group slots and the format (``sglang_evict.tier.arena``). Every tier
+    token precedes every query of a decode step (a pass demotes only tokens it holds)."""
+
+    stores: Sequence[object]  # sglang_evict_kernels.tier_format.TierStore per layer
+    group_table: Tensor  # int32 [1, groups]
+    num_groups: Tensor  # int32 [1]
+    fmt: object  # TierFormat
+
+
 @dataclass
 class KVBuffers:
     """Per-layer K and V buffers ``[slots, kv_heads, head_dim]`` (SGLang's MHA layout)."""
@@ -87,6 +99,7 @@ class PagedLlama:
         kv: KVBuffers,
         allowed: Tensor | None = None,
         capture_queries: list[Tensor] | None = None,
+        tier: TierContext | None = None,
     ) -> Tensor:
         """Logits ``[T, vocab]`` for ``T`` new tokens of one request.
 
@@ -98,6 +111,9 @@ class PagedLlama:
             allowed: optional bool ``[N]``; False entries are masked out (references).
             capture_queries: if given, each layer appends its post-RoPE queries
                 ``[T, heads, head_dim]`` (for query-reading scorers).
+            tier: the request's quantized tier: each layer's attention over the
+                context is merged (log-sum-exp) with its attention over the tier
+                (``sglang_evict_kernels.tier_attention``).
         """
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -128,7 +144,35 @@ class PagedLlama:
             scores = torch.einsum("htd,nhd->htn", q[0], keys) * scale
             scores = scores.masked_fill(~visible[None], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
-            out = torch.einsum("htn,nhd->thd", probs, values).reshape(1, num_tokens, -1)
+            out = torch.einsum("htn,nhd->thd", probs, values)
+            if tier is not None and int(tier.num_groups[0]) > 0:
+                out = self._merge_tier(q[0], scores, out, tier, layer_index, scale)
+            out = out.reshape(1, num_tokens, -1)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.model.lm_head(inner.norm(hidden))[0]
+
+    def _merge_tier(
+        self, q: Tensor, scores: Tensor, out: Tensor, tier: TierContext, layer: int, scale: float
+    ) -> Tensor:
+        """``out`` ``[T, heads, head_dim]`` (attention over the context, whose masked
+        ``scores`` are ``[heads, T, N]``) merged with each query's attention over the
+        tier."""
+        from sglang_evict_kernels.tier_attention import (
+            merge_attention_states,
+            tier_attention_reference,
+        )
+
+        num_tokens = q.shape[1]
+        queries = q.transpose(0, 1)  # [T, heads, head_dim]
+        o_tier, lse_tier = tier_attention_reference(
+            queries,
+            tier.stores[layer],
+            tier.group_table.expand(num_tokens, -1),
+            tier.num_groups.expand(num_tokens),
+            tier.fmt,
+            sm_scale=scale,
+        )
+        lse_context = torch.logsumexp(scores.float(), dim=-1).transpose(0, 1)  # [T, heads]
+        merged, _ = merge_attention_states(out.float(), lse_context, o_tier, lse_tier)
+        return merged.to(out.dtype)

@@ -70,8 +70,10 @@ def device_pass(manager, step: PassStep, packed: Tensor, staging: Tensor) -> tup
     return plan.release, plan.move_counts()
 
 
-def score_and_plan(manager, step: PassStep, packed: Tensor, staging_flat: Tensor):
-    """``(columns, rows_raw, scores, plan)`` of a pass, on the device."""
+def score_and_plan(manager, step: PassStep, packed: Tensor, staging_flat: Tensor, on_keep=None):
+    """``(columns, rows_raw, scores, plan)`` of a pass, on the device. ``on_keep``:
+    called with ``(view, keep, scores)`` once the survivors are chosen, before any
+    plan or move (the tier's demotion reads the tokens not kept where they lie)."""
     tracer = tracing.tracer()
     shape = step.shape
     columns = unpack_columns(packed)
@@ -100,6 +102,8 @@ def score_and_plan(manager, step: PassStep, packed: Tensor, staging_flat: Tensor
         scores, view.positions, view.valid, protected, columns["evicted"], shape.evicted
     )
     manager.nonfinite_scores_device += nonfinite.sum()
+    if on_keep is not None:
+        on_keep(view, keep, scores)
     staging, given = staging_layout(manager, columns, staging_flat, shape)
     with tracer.start_as_current_span(tracing.SPAN_PLAN):
         plan_inputs = PlanInputs(

@@ -74,18 +74,29 @@ def pass_work(
             values.append((*d[1:5], p.kv_budget_tokens, state.position_offset, state.compacted_len))
     columns = np.array(values, dtype=np.int64).reshape(len(due), 7).T
     rows, kv_len, num_shared, prompt_len, budget, offset, compacted = columns
-    counts = batch_pass_counts(
-        kv_len=kv_len,
-        position_offset=offset,
-        num_shared=num_shared,
-        prompt_len=prompt_len,
-        budget=budget,
-        page_size=config.page_size,
-        sink_tokens=config.sink_tokens,
-        protected_tokens=config.protected_tokens,
-        window_tokens=config.window_tokens,
-        evict_prompt=config.evict_prompt,
-    )
+
+    def count(budget):
+        return batch_pass_counts(
+            kv_len=kv_len,
+            position_offset=offset,
+            num_shared=num_shared,
+            prompt_len=prompt_len,
+            budget=budget,
+            page_size=config.page_size,
+            sink_tokens=config.sink_tokens,
+            protected_tokens=config.protected_tokens,
+            window_tokens=config.window_tokens,
+            evict_prompt=config.evict_prompt,
+        )
+
+    counts = count(budget)
+    if config.tier_bits is not None:
+        # Under a tier the cold tokens leave in whole groups; the ``cold % G`` left
+        # over wait in full precision (``sglang_evict.tier.policy``): the budget that
+        # keeps exactly those too, so survivors = survivors + waiting.
+        waiting = (counts.kv_len - counts.survivors) % config.tier_group_tokens
+        if waiting.any():
+            counts = count(counts.survivors + waiting)
     return PassWork(list(due), policies, counts, rows, compacted)
 
 

@@ -117,6 +117,9 @@ from sglang_evict.passes.state import (
 from sglang_evict.query_capture import QueryRing
 from sglang_evict.request_policy import RequestLimits, RequestPolicy, default_policy
 from sglang_evict.scorers import Scorer, build_scorer
+from sglang_evict.tier import demotion as tier_demotion
+from sglang_evict.tier.arena import TierArena
+from sglang_evict.tier.policy import TierPolicy, due_cold_tokens
 from sglang_evict_kernels import device_int64
 
 __all__ = [
@@ -168,6 +171,9 @@ class EvictionManager:
     # Pad passes to bucketed shapes (``passes.batch.shapes``); False: exact shapes, the
     # reference ``tests/test_static_shape_pass.py`` holds the padded pass to.
     static_shapes: bool = True
+    # The quantized tier's storage (``sglang_evict.tier.arena``), attached by whoever
+    # sized it (the driver, the engine adapter) when the config asks for a tier.
+    tier_arena: TierArena | None = None
 
     def __post_init__(self) -> None:
         if self.config.page_size != self.pool.page_size:
@@ -212,6 +218,11 @@ class EvictionManager:
             self.graphs = PassGraphs(
                 self.device, pool_limit_bytes=config.pass_graph_pool_mib * 2**20
             )
+        # The tier's format and per-request bound (``sglang_evict.tier.policy``).
+        self.tier_policy = None
+        fmt = config.tier_format(self.pool.k_buffers[0].shape[-1])
+        if fmt is not None:
+            self.tier_policy = TierPolicy(fmt, config.tier_max_tokens)
         self.accumulated_by_row = None
         if self.scorer.carries_scores:
             self.accumulated_by_row = torch.zeros(
@@ -306,7 +317,7 @@ class EvictionManager:
         policy = policy or self.default_policy
         if not policy.enabled:
             return False
-        cadence = policy.cadence_tokens
+        cadence = due_cold_tokens(policy.cadence_tokens, self.tier_policy)
         budget = policy.kv_budget_tokens
         if kv_len < budget + cadence:  # survivors >= budget: never due
             return False
@@ -352,6 +363,8 @@ class EvictionManager:
         state = self.states.pop(rid, None)
         if state is not None:
             self.offsets_by_row[state.req_pool_idx] = 0
+        if self.tier_arena is not None:
+            self.tier_arena.release(rid)
         self.failures.forget(rid)
 
     def record_queries(self, req_pool_idx: int, queries: Tensor, positions: Tensor) -> None:
@@ -490,6 +503,12 @@ class EvictionManager:
             staging_counts=staging_counts,
             shape=shape,
         )
+        demotion = []  # the tier's part of the pass, prepared before the moves
+        on_keep = None
+        if self.tier_policy is not None:
+            on_keep = lambda view, keep, scores: demotion.append(  # noqa: E731
+                self._prepare_demotion(work, view, keep, scores)
+            )
         total_staging = int(staging_counts.sum())
         num_released = int(counts.pages_freed.sum()) + total_staging
         claimed = claim_staging(self.pool, total_staging)
@@ -515,7 +534,7 @@ class EvictionManager:
                 packed_device = device_int64(packed, self.device)
                 staging_device = pad_claimed(claimed, shape.staging_total, self.device)
                 columns, rows_raw, scores, plan = score_and_plan(
-                    self, step, packed_device, staging_device
+                    self, step, packed_device, staging_device, on_keep=on_keep
                 )
                 lease = self.lease.acquire()  # only around the moves (``passes.lease``)
                 if lease is not None:
@@ -536,14 +555,48 @@ class EvictionManager:
                 release = written[2].release
             self.pool.release_pages(release[:num_released])
             commit_states(self.states, work)
+            if demotion and demotion[0] is not None:
+                tier_demotion.commit(self.tier_arena, demotion[0])
         duration_s = time.perf_counter() - start
-        return pass_results(work, scorers, strategy, copies, duration_s, self.bytes_per_slot)
+        results = pass_results(work, scorers, strategy, copies, duration_s, self.bytes_per_slot)
+        if demotion and demotion[0] is not None:
+            g = self.tier_policy.group_tokens
+            by_rid = {r.rid: r for r in results}
+            for part in demotion[0].requests:
+                result = by_rid[part.rid]
+                result.tokens_demoted = part.new_groups * g
+                result.tokens_dropped = part.dropped * g
+        return results
+
+    def _prepare_demotion(self, work: PassWork, view, keep: Tensor, scores: Tensor):
+        """``tier.demotion.prepare`` of this pass: every token it does not keep
+        (``counts.tokens_evicted``, whole groups under a tier) enters the tier."""
+        if self.tier_arena is None:
+            raise ValueError(
+                "--kv-tier-bits is set but no tier arena is attached: the engine (or "
+                "driver) must size one (sglang_evict.tier.arena)"
+            )
+        g = self.tier_policy.group_tokens
+        bound = self.tier_policy.max_tier_tokens // g
+        return tier_demotion.prepare(
+            self.tier_arena,
+            rids=[d.rid for d in work.due],
+            demoted_tokens=work.counts.tokens_evicted.tolist(),
+            max_groups=[bound] * len(work.due),
+            slots=view.slots,
+            positions=view.positions,
+            valid=view.valid,
+            keep=keep,
+            scores=scores,
+            k_buffers=self.pool.k_buffers,
+            v_buffers=self.pool.v_buffers,
+        )
 
     def _graphable(self, scorers: list[Scorer]) -> bool:
         """Whether this pass is replayed as a CUDA graph (``sglang_evict.passes.graphs``):
         graphs on, moves in-process, one rank, and one scorer whose batched form reads
         device data only."""
-        if self.graphs is None:
+        if self.graphs is None or self.tier_policy is not None:
             return False
         return (
             self.compactor is None

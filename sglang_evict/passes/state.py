@@ -104,6 +104,10 @@ class PassResult:
     bytes_per_slot: int  # every layer's K and V row of one slot
     scorer: str = ""  # the scorer that ranked its tokens
     budget_tokens: int = 0  # its budget
+    # Under a tier: of the tokens leaving full precision, those that entered the tier,
+    # and the tokens the tier gave up (gone from the KV: evicted for real).
+    tokens_demoted: int = 0
+    tokens_dropped: int = 0
 
     @property
     def tokens_evicted(self) -> int:

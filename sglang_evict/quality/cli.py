@@ -1,4 +1,5 @@
-"""The ``eval`` and ``eval-gate`` subcommands of ``sglang-evict``.
+"""The ``eval``, ``eval-real``, ``eval-tier`` and ``eval-gate`` subcommands of
+``sglang-evict``.
 
 ``add_quality_commands(commands)`` registers both on the main parser's subparsers;
 handlers raise ``ValueError``/``FileNotFoundError`` for bad input, which the main
@@ -256,6 +257,15 @@ def _eval_real(args: argparse.Namespace) -> int:
     return 0
 
 
+class _NoScorers:
+    """``_real_inputs``'s settings for a run that needs no triattention statistics."""
+
+    scorers: tuple[str, ...] = ()
+
+
+_NO_SCORERS = _NoScorers()
+
+
 def _real_inputs(args, settings):
     """The model folder, the text file and triattention's statistics, checked."""
     from sglang_evict.quality.real import evaluation as real_eval
@@ -274,6 +284,56 @@ def _real_inputs(args, settings):
     if stats is not None and not Path(stats).is_file():
         raise ValueError(f"--triattention-stats {stats}: no such file")
     return model, text, stats
+
+
+def _eval_tier(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
+
+    from sglang_evict.quality.real import frontier_report
+    from sglang_evict.quality.real import frontier_run as frontier
+
+    out = Path(args.out)
+    if args.render_only:
+        if not (out / "results.json").is_file():
+            raise ValueError(f"--render-only: no {out / 'results.json'} to draw from")
+        md, png = frontier_report.render(out)
+        print(md.read_text())
+        print(f"redrew {md} and {png} from {out / 'results.json'}")
+        return 0
+    use_triton_interpreter_without_gpu()  # page size 16 on CPU, before SGLang
+    base = dict(frontier.QUICK) if args.quick else {}
+    for name, value in (
+        ("candidates", args.candidates and tuple(c.strip() for c in args.candidates.split(","))),
+        ("fractions", args.fractions and _fractions(args.fractions, "--fractions")),
+        ("kinds", args.kinds and tuple(k.strip() for k in args.kinds.split(","))),
+        ("depths", args.depths and _floats(args.depths, "--depths")),
+        ("per_depth", args.per_depth),
+        ("max_new_tokens", args.max_new_tokens),
+        ("ppl_length", args.ppl_length),
+    ):
+        if value:
+            base[name] = value
+    if args.no_ppl:
+        base["ppl"] = False
+    settings = dataclasses.replace(frontier.FrontierSettings(), **base)
+    from sglang_evict.quality.real.needle import KINDS
+
+    unknown = sorted(set(settings.kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"--kinds {unknown}: known needle kinds {list(KINDS)}")
+    model, text, _ = _real_inputs(args, _NO_SCORERS)
+    print(
+        f"eval-tier: {model} ({frontier.WEIGHTS_NOTE}); {len(settings.candidates)} "
+        f"candidates at KV bytes {list(settings.fractions)}; needles {list(settings.kinds)}; "
+        f"perplexity {'on' if settings.ppl else 'off'}; results in {out} (resumed when present)"
+    )
+    start = time.perf_counter()
+    frontier.run(model, text, out, settings, progress=not args.no_progress)
+    md, png = frontier_report.render(out)
+    print(md.read_text())
+    print(f"wrote {out / 'results.json'}, {md}, {png} ({time.perf_counter() - start:.0f} s)")
+    return 0
 
 
 def _eval_gate(args: argparse.Namespace) -> int:
@@ -399,6 +459,39 @@ def add_quality_commands(commands) -> None:
         "--render-only", action="store_true", help="redraw results.md/png from results.json"
     )
     real.set_defaults(handler=_eval_real)
+
+    tier = commands.add_parser(
+        "eval-tier",
+        help="eviction and the quantized tier at equal KV bytes on the real model",
+        description="SmolLM2-135M-Instruct (4-bit weights dequantised) on the Paul Graham "
+        "essays, through the paged reference path: the needle task (four kinds of needle) "
+        "and decode-time perplexity for eviction's scorers and the quantized tier's "
+        "candidates (bits, group, outlier tokens) at the same KV bytes; the full cache on "
+        "the same inputs. Resumable; writes results.json, results.md (with the rule that "
+        "picks the tier's defaults) and results.png (the frontier) to --out.",
+    )
+    tier.add_argument("--out", default="tier-frontier", help="output folder")
+    tier.add_argument("--model", default=None, help="model folder (default: real-model)")
+    tier.add_argument("--text", default=None, help="haystack text (default: real-text)")
+    tier.add_argument("--quick", action="store_true", help="three candidates, small")
+    tier.add_argument(
+        "--candidates",
+        default=None,
+        help="evict, evict:SCORER or BITS:GROUP[:OUTLIERS], comma-separated "
+        "(default: the rule's 18 tier candidates and evict:streaming,evict:rkv)",
+    )
+    tier.add_argument("--fractions", default=None, help="KV bytes held: 0.25,0.125")
+    tier.add_argument("--kinds", default=None, help="needle kinds: code7,code5,word,time")
+    tier.add_argument("--depths", default=None, help="needle depths: 0.2,0.5,0.8")
+    tier.add_argument("--per-depth", type=int, default=None, help="needles per depth (1)")
+    tier.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (24)")
+    tier.add_argument("--ppl-length", type=int, default=None, help="perplexity tokens (1024)")
+    tier.add_argument("--no-ppl", action="store_true", help="the needle task only")
+    tier.add_argument("--no-progress", action="store_true")
+    tier.add_argument(
+        "--render-only", action="store_true", help="redraw results.md/png from results.json"
+    )
+    tier.set_defaults(handler=_eval_tier, triattention_stats=None)
 
     gate = commands.add_parser(
         "eval-gate",

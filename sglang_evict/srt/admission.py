@@ -56,6 +56,7 @@ from sglang_evict.srt.backend import EvictingRadixCache
 from sglang_evict.srt.hooks import due_request, passable, run_passes, supported_allocation
 from sglang_evict.srt.request_policy import policy_of
 from sglang_evict.srt.versioned import add_to_admission_offset, matched_prefix_len, req_kv
+from sglang_evict.tier.policy import due_cold_tokens
 
 HOOK_RUNNING_OFFSET = (
     "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset"
@@ -88,7 +89,9 @@ def request_growth(manager, req, *, kv_len: int, num_shared: int) -> int | None:
     return growth_tokens(
         kv_len=kv_len,
         survivors_cap=cap,
-        cadence=policy.cadence_tokens,
+        # Under a tier a pass is due once a whole group is cold (``tier.policy``); the
+        # tier's own bytes live in its arena, outside the pool admission counts.
+        cadence=due_cold_tokens(policy.cadence_tokens, manager.tier_policy),
         page_size=config.page_size,
         pass_group_steps=config.group_steps_bound,
     )

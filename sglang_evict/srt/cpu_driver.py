@@ -105,6 +105,20 @@ class MemoryDriver:
         publish_cpu_runtime()
         self.device = device
         self.page_size = page_size
+        # The tier's arena is a share of the KV memory: the pool gives up its slots.
+        self.tier_arena = None
+        self.kv_memory_tokens = num_tokens  # the KV memory, in full-precision slots
+        if config is not None and config.tier_bits is not None:
+            self.tier_arena, num_tokens = _carve_tier(
+                config,
+                num_tokens=num_tokens,
+                page_size=page_size,
+                num_layers=num_layers,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                device=device,
+            )
         self.num_tokens = num_tokens
         self.kv_pool = MHATokenToKVPool(
             size=num_tokens,
@@ -139,6 +153,8 @@ class MemoryDriver:
             else RadixCache(self.cache_params)
         )
         manager = self.evictor
+        if manager is not None:
+            manager.tier_arena = self.tier_arena
         if manager is not None and manager.scorer.needs_queries and num_q_heads is not None:
             shape = RingShape(
                 num_layers=num_layers,
@@ -298,9 +314,63 @@ class MemoryDriver:
             return torch.arange(kv_len)
         return manager.positions(req.rid, kv_len)
 
+    def tier_context(self, req):
+        """``req``'s quantized tier for the model's forward (None: no tier, or an
+        empty one)."""
+        arena = self.tier_arena
+        if arena is None or not arena.groups_of(req.rid):
+            return None
+        from sglang_evict.reference_model import TierContext
+
+        table, counts = arena.table([req.rid])
+        return TierContext(arena.stores, table, counts, arena.fmt)
+
+    def tier_tokens(self, req) -> int:
+        return 0 if self.tier_arena is None else self.tier_arena.tokens_of(req.rid)
+
     def free_tokens(self) -> int:
         return int(self.allocator.available_size())
 
     def held_tokens(self) -> int:
         """KV slots held by running requests (their private pages) and the radix tree."""
         return self.num_tokens - self.free_tokens()
+
+
+def _carve_tier(
+    config: EvictionConfig,
+    *,
+    num_tokens: int,
+    page_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+):
+    """``(arena, pool tokens)``: the tier's arena sized as ``config.tier_pool_share`` of
+    ``num_tokens`` slots' KV memory, the pool keeping the whole pages left."""
+    from sglang_evict.tier.arena import TierArena, arena_groups_for_share
+
+    fmt = config.tier_format(head_dim)
+    slot_bytes = (
+        2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    )
+    groups = arena_groups_for_share(
+        share=config.tier_pool_share,
+        kv_pool_bytes=num_tokens * slot_bytes,
+        fmt=fmt,
+        num_layers=num_layers,
+        kv_heads=num_kv_heads,
+        full_dtype=dtype,
+    )
+    arena = TierArena(
+        fmt,
+        num_groups=groups,
+        num_layers=num_layers,
+        kv_heads=num_kv_heads,
+        full_dtype=dtype,
+        device=device,
+    )
+    taken_slots = -(-arena.nbytes() // slot_bytes)
+    pool_tokens = (num_tokens - taken_slots) // page_size * page_size
+    return arena, pool_tokens

@@ -1,4 +1,5 @@
-"""The real-model evaluation (``sglang-evict eval-real``): SmolLM2-135M-Instruct
+"""The real-model evaluations (``sglang-evict eval-real``, ``sglang-evict eval-tier``):
+SmolLM2-135M-Instruct
 (``sglang-evict real-model``: 4-bit weights dequantised) and the Paul Graham essays
 (``sglang-evict real-text``), each task through the path a user runs.
 
@@ -11,6 +12,12 @@
 | kvpress_peer  | kvpress's presses on the same ids (own venv)  | job JSON -> results JSON       |
 | evaluation    | the run: settings, resumable results          | settings -> results.json       |
 | report        | tables and the plot                           | results.json -> .md, .png      |
+| frontier      | eviction and the tier at equal KV bytes: how  | candidate, bytes -> config;    |
+|               | a candidate spends them, one needle answer    | prompt -> answer, bytes held   |
+|               | through the paged reference path              |                                |
+| frontier_run  | ``eval-tier``: settings, resumable results    | settings -> results.json       |
+| frontier_report | its tables, the frontier plot, the rule     | results.json -> .md, .png      |
+|               | that picks the tier's defaults                |                                |
 
 Import rule: ``needle`` is pure Python (the kvpress peer builds the same prompts under
 its own ``transformers``); ``kvpress_peer`` imports only ``needle``.

@@ -27,7 +27,11 @@ def write_job(path: Path, model_path: Path, settings, needle_samples, ppl_sequen
                     "key": s.key,
                     "context_tokens": s.context_tokens,
                     "prompt_ids": list(s.prompt_ids),
-                    "needle": {"place": s.needle.place, "code": s.needle.code},
+                    "needle": {
+                        "place": s.needle.place,
+                        "code": s.needle.code,
+                        "kind": s.needle.kind,
+                    },
                 }
                 for s in needle_samples
             ],

@@ -10,8 +10,17 @@ One sample::
              "\\n\\nQuestion: What is the secret code of the <place> archive? ..."
     answer   the model's greedy continuation; found when it contains the code
 
-The needles are generated, never tuned: a place from a fixed list and a 7-digit code
-from a seeded generator (``needle_for``), written in one fixed sentence form. The
+The needles are generated, never tuned: a place from a fixed list and, per kind, what
+the answer must copy, from a seeded generator (``needle_for``), each kind in one fixed
+sentence form (``KINDS``):
+
+    code7   "The secret code of the <place> archive is 4512337."   (the original kind)
+    code5   "The secret code of the <place> archive is 45123."
+    word    "The password of the <place> archive is marigold."
+    time    "The <place> archive opens at 7:45."
+
+A default chosen on one kind of needle need not be the default for others, so the
+tier's defaults are read on all four (``docs/quality.md``). The
 haystack of each sample starts at a seeded offset of the essays (the text is cut at
 sentence boundaries), so every (size, depth, index) sees other text.
 
@@ -37,6 +46,25 @@ NEEDLE = "The secret code of the {place} archive is {code}."
 QUESTION = (
     "Question: What is the secret code of the {place} archive? Answer with the code from the text."
 )
+# kind -> (needle sentence, question); ``{code}`` is what the answer must copy.
+KINDS = {
+    "code7": (NEEDLE, QUESTION),
+    "code5": (NEEDLE, QUESTION),
+    "word": (
+        "The password of the {place} archive is {code}.",
+        "Question: What is the password of the {place} archive? Answer with the password "
+        "from the text.",
+    ),
+    "time": (
+        "The {place} archive opens at {code}.",
+        "Question: At what time does the {place} archive open? Answer with the time from the text.",
+    ),
+}
+WORDS = (
+    "marigold", "quartz", "lantern", "pelican", "saffron", "tundra", "falcon", "juniper",
+    "obsidian", "walrus", "zephyr", "tangerine", "cobalt", "nectarine", "wombat", "fjord",
+    "mosaic", "pumice", "glacier", "harpoon", "lavender", "basilisk", "meridian", "sorrel",
+)  # fmt: skip
 # A needle's position: a fraction of the haystack (0: its start, 1: right before the
 # question).
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -46,15 +74,20 @@ SEED_BASE = 20_251_125
 @dataclass(frozen=True)
 class Needle:
     place: str
-    code: str
+    code: str  # what the answer must copy (a code, a word or a time, by ``kind``)
+    kind: str = "code7"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"needle kind {self.kind!r}; known: {list(KINDS)}")
 
     @property
     def sentence(self) -> str:
-        return NEEDLE.format(place=self.place, code=self.code)
+        return KINDS[self.kind][0].format(place=self.place, code=self.code)
 
     @property
     def question(self) -> str:
-        return QUESTION.format(place=self.place)
+        return KINDS[self.kind][1].format(place=self.place)
 
 
 @dataclass(frozen=True)
@@ -69,18 +102,37 @@ class NeedleSample:
 
     @property
     def key(self) -> str:
-        return f"{self.context_tokens}-{self.depth:g}-{self.index}"
+        """``size-depth-index`` (``code7``, the original kind) or ``kind-size-depth-index``."""
+        base = f"{self.context_tokens}-{self.depth:g}-{self.index}"
+        return base if self.needle.kind == "code7" else f"{self.needle.kind}-{base}"
 
 
-def needle_for(seed: int) -> Needle:
+def needle_for(seed: int, kind: str = "code7") -> Needle:
     rng = random.Random(SEED_BASE + seed)
-    return Needle(place=rng.choice(PLACES), code=f"{rng.randrange(10**6, 10**7)}")
+    place = rng.choice(PLACES)
+    if kind == "code7":
+        code = f"{rng.randrange(10**6, 10**7)}"
+    elif kind == "code5":
+        code = f"{rng.randrange(10**4, 10**5)}"
+    elif kind == "word":
+        code = rng.choice(WORDS)
+    elif kind == "time":
+        code = f"{rng.randrange(1, 13)}:{rng.randrange(60):02d}"
+    else:
+        raise ValueError(f"needle kind {kind!r}; known: {list(KINDS)}")
+    return Needle(place=place, code=code, kind=kind)
 
 
 def found(needle: Needle, answer_text: str) -> bool:
-    """The code appears in the answer (digits only, so "4 512 337" or "4,512,337"
-    count too)."""
-    return needle.code in re.sub(r"[^0-9]", "", answer_text)
+    """The answer holds what the needle hides: a code's digits (digits only, so
+    "4 512 337" or "4,512,337" count too), the word (any case, as a word), the time
+    (``7:45``, or ``7.45``/``7 45``; a leading zero allowed)."""
+    if needle.kind in ("code7", "code5"):
+        return needle.code in re.sub(r"[^0-9]", "", answer_text)
+    if needle.kind == "word":
+        return re.search(rf"\b{re.escape(needle.code)}\b", answer_text, re.IGNORECASE) is not None
+    hours, minutes = needle.code.split(":")
+    return re.search(rf"(?<!\d)0?{hours}\s*[:.\s]\s*{minutes}(?!\d)", answer_text) is not None
 
 
 def sentences(text: str) -> list[str]:
@@ -97,6 +149,7 @@ def build_sample(
     context_tokens: int,
     depth: float,
     index: int,
+    kind: str = "code7",
 ) -> NeedleSample:
     """The sample (``context_tokens``, ``depth``, ``index``): a haystack of as many whole
     sentences as fit in ``context_tokens`` tokens from a seeded offset, the needle at
@@ -104,8 +157,8 @@ def build_sample(
     haystack plus about 70 tokens)."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"needle depth {depth} is outside [0, 1]")
-    seed = hash_seed(context_tokens, depth, index)
-    needle = needle_for(seed)
+    seed = hash_seed(context_tokens, depth, index, kind)
+    needle = needle_for(seed, kind)
     rng = random.Random(seed)
     start = rng.randrange(len(text_sentences))
     chosen, used = [], 0
@@ -138,9 +191,11 @@ def build_sample(
     )
 
 
-def hash_seed(context_tokens: int, depth: float, index: int) -> int:
-    """A stable seed per (size, depth, index) (Python's ``hash`` of a str is salted)."""
-    return context_tokens * 1_000_003 + round(depth * 1000) * 1009 + index
+def hash_seed(context_tokens: int, depth: float, index: int, kind: str = "code7") -> int:
+    """A stable seed per (size, depth, index, kind) (Python's ``hash`` of a str is
+    salted); the original kind keeps its seeds."""
+    seed = context_tokens * 1_000_003 + round(depth * 1000) * 1009 + index
+    return seed + list(KINDS).index(kind) * 7_919_000_003
 
 
 def build_samples(
@@ -151,6 +206,7 @@ def build_samples(
     depths: Sequence[float] = DEFAULT_DEPTHS,
     per_depth: int = 1,
     first_index: int = 0,
+    kinds: Sequence[str] = ("code7",),
 ) -> list[NeedleSample]:
     """Every (size, depth, index) sample over ``text`` with ``tokenizer`` (an HF
     tokenizer with a chat template), indexes ``first_index`` .. ``+ per_depth - 1``."""
@@ -164,8 +220,20 @@ def build_samples(
     def encode(messages: list[dict]) -> list[int]:
         return chat_ids(tokenizer, messages)
 
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise ValueError(f"needle kinds {unknown or '(none)'}; known: {list(KINDS)}")
     return [
-        build_sample(text_sentences, count, encode, context_tokens=size, depth=depth, index=index)
+        build_sample(
+            text_sentences,
+            count,
+            encode,
+            context_tokens=size,
+            depth=depth,
+            index=index,
+            kind=kind,
+        )
+        for kind in kinds
         for size in context_sizes
         for depth in depths
         for index in range(first_index, first_index + per_depth)

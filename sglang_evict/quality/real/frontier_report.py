@@ -1,0 +1,197 @@
+"""Tables and the frontier plot of ``eval-tier`` results (``<out>/results.json``), and the
+rule that reads them (``docs/quality.md``: the tier's defaults).
+
+``results.md``: per candidate and KV-bytes fraction, needle accuracy per kind and in all,
+the bytes actually held, perplexity against the full cache's; the rule's verdict.
+``results.png``: the frontier: needle accuracy (left) and perplexity relative to the
+full cache (right) against KV bytes held, eviction and the tier on one axis.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+# The rule's thresholds (docs/quality.md, fixed before measuring).
+RULE_FRACTION = 0.25
+RULE_NEEDLE_MARGIN = 0.10
+RULE_PPL_MARGIN = 0.02
+RULE_TIE = 0.05
+
+
+def needle_table(results: dict) -> list[dict]:
+    """One row per (candidate, fraction): accuracy per kind and in all, mean bytes held."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in (results.get("needle") or {}).values():
+        groups[(row["candidate"], row["fraction"])].append(row)
+    table = []
+    for (candidate, fraction), rows in groups.items():
+        by_kind = defaultdict(list)
+        for row in rows:
+            by_kind[row["kind"]].append(row["found"])
+        table.append(
+            {
+                "candidate": candidate,
+                "fraction": fraction,
+                "accuracy": sum(r["found"] for r in rows) / len(rows),
+                "by_kind": {k: sum(v) / len(v) for k, v in sorted(by_kind.items())},
+                "held_fraction": sum(r["held_fraction"] for r in rows) / len(rows),
+                "prompts": len(rows),
+            }
+        )
+    return sorted(table, key=lambda r: (r["fraction"] or 1.0, r["candidate"]))
+
+
+def perplexity_table(results: dict) -> list[dict]:
+    rows = list((results.get("perplexity") or {}).values())
+    full = next((r["perplexity"] for r in rows if r["candidate"] == "full"), None)
+    table = []
+    for row in rows:
+        table.append(
+            {
+                **row,
+                "relative": None if full is None else row["perplexity"] / full,
+            }
+        )
+    return sorted(table, key=lambda r: (r["fraction"] or 1.0, r["candidate"]))
+
+
+def _bits_group_outliers(name: str) -> tuple[int, int, int]:
+    """``tier 3b G32 o3`` -> (3, 32, 3)."""
+    parts = name.split()
+    bits = int(parts[1].rstrip("b"))
+    group = int(parts[2][1:])
+    outliers = int(parts[3][1:]) if len(parts) > 3 else 0
+    return bits, group, outliers
+
+
+def apply_rule(results: dict) -> dict:
+    """The rule of ``docs/quality.md`` on these results: the eligible tier candidates at
+    1/4 of the bytes (needle accuracy within 0.10 of the full cache on every kind,
+    perplexity within 2 %), the choice, and whether any was eligible."""
+    needles = {r["candidate"]: r for r in needle_table(results) if r["fraction"] == RULE_FRACTION}
+    full = next((r for r in needle_table(results) if r["candidate"] == "full"), None)
+    ppl = {r["candidate"]: r for r in perplexity_table(results) if r["fraction"] == RULE_FRACTION}
+    verdicts = []
+    for name, row in needles.items():
+        if not name.startswith("tier ") or full is None:
+            continue
+        kinds_ok = all(
+            row["by_kind"].get(kind, 0.0) >= acc - RULE_NEEDLE_MARGIN
+            for kind, acc in full["by_kind"].items()
+        )
+        relative = ppl.get(name, {}).get("relative")
+        ppl_ok = relative is not None and relative <= 1 + RULE_PPL_MARGIN
+        verdicts.append(
+            {
+                "candidate": name,
+                "accuracy": row["accuracy"],
+                "perplexity_relative": relative,
+                "eligible": kinds_ok and ppl_ok,
+            }
+        )
+    eligible = [v for v in verdicts if v["eligible"]]
+    pool = eligible or verdicts
+    choice = None
+    if pool:
+        best = max(v["accuracy"] for v in pool)
+        near = [v for v in pool if v["accuracy"] >= best - RULE_TIE]
+
+        def cheaper(v):
+            bits, group, outliers = _bits_group_outliers(v["candidate"])
+            return (bits, -group, outliers)
+
+        choice = min(near, key=cheaper)["candidate"]
+    return {"verdicts": verdicts, "choice": choice, "met": bool(eligible)}
+
+
+def render_markdown(results: dict) -> str:
+    lines = [
+        "# The quantized tier against eviction at equal KV bytes",
+        "",
+        f"Model: {results.get('model')} ({results.get('weights')}). Paged reference path "
+        "(SGLang's memory classes on CPU, the plugin's passes, attention merging the tier). "
+        "KV bytes held: a fraction of the full cache's, bfloat16 accounting.",
+        "",
+        "## Needle task",
+        "",
+    ]
+    table = needle_table(results)
+    kinds = sorted({k for r in table for k in r["by_kind"]})
+    lines.append(
+        "| candidate | bytes asked | bytes held | accuracy | " + " | ".join(kinds) + " | prompts |"
+    )
+    lines.append("| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in kinds) + " | ---: |")
+    for r in table:
+        asked = "1" if r["fraction"] is None else f"{r['fraction']:g}"
+        per_kind = " | ".join(f"{r['by_kind'].get(k, float('nan')):.2f}" for k in kinds)
+        lines.append(
+            f"| {r['candidate']} | {asked} | {r['held_fraction']:.3f} | {r['accuracy']:.2f} | "
+            f"{per_kind} | {r['prompts']} |"
+        )
+    lines += ["", "## Decode-time perplexity", ""]
+    lines.append("| candidate | bytes | perplexity | vs full | budget | tier bound |")
+    lines.append("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in perplexity_table(results):
+        asked = "1" if r["fraction"] is None else f"{r['spent_fraction']:.3f}"
+        relative = "" if r["relative"] is None else f"{r['relative']:.3f}"
+        lines.append(
+            f"| {r['candidate']} | {asked} | {r['perplexity']:.3f} | {relative} | "
+            f"{r.get('budget_tokens') or ''} | {r.get('tier_tokens') or ''} |"
+        )
+    rule = apply_rule(results)
+    lines += ["", "## The rule (docs/quality.md)", ""]
+    if rule["choice"] is None:
+        lines.append("No tier candidate at 1/4 of the bytes in these results.")
+    else:
+        verdict = "eligible" if rule["met"] else "none eligible: the most accurate"
+        lines.append(f"Choice: **{rule['choice']}** ({verdict}).")
+        eligible = [v["candidate"] for v in rule["verdicts"] if v["eligible"]]
+        lines.append(f"Eligible: {', '.join(eligible) or 'none'}.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> bool:
+    from sglang_evict.plotting import pyplot_or_none, save_figure
+
+    plt = pyplot_or_none()
+    if plt is None:
+        return False
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in needle_table(results):
+        marker = "o" if r["candidate"].startswith("tier") else "s"
+        if r["candidate"] == "full":
+            left.axhline(r["accuracy"], color="black", linestyle="--", label="full cache")
+            continue
+        left.scatter(r["held_fraction"], r["accuracy"], marker=marker)
+        left.annotate(r["candidate"], (r["held_fraction"], r["accuracy"]), fontsize=6)
+    left.set_xlim(0, 1.02)
+    left.set_xlabel("KV bytes held (fraction of the full cache)")
+    left.set_ylabel("needles found")
+    left.set_title("needle task")
+    left.legend(fontsize=7)
+    for r in perplexity_table(results):
+        if r["candidate"] == "full" or r["relative"] is None:
+            continue
+        marker = "o" if r["candidate"].startswith("tier") else "s"
+        right.scatter(r["spent_fraction"], r["relative"], marker=marker)
+        right.annotate(r["candidate"], (r["spent_fraction"], r["relative"]), fontsize=6)
+    right.axhline(1.0, color="black", linestyle="--")
+    right.set_xlim(0, 1.02)
+    right.set_xlabel("KV bytes held (fraction of the full cache)")
+    right.set_ylabel("perplexity / full cache's")
+    right.set_title("decode-time perplexity")
+    figure.suptitle(f"eviction and the quantized tier at equal bytes ({results.get('weights')})")
+    save_figure(plt, figure, path)
+    return True
+
+
+def render(out: Path) -> tuple[Path, Path | None]:
+    """``results.md`` and ``results.png`` next to ``results.json``."""
+    import json
+
+    results = json.loads((out / "results.json").read_text())
+    md = out / "results.md"
+    md.write_text(render_markdown(results), encoding="utf-8")
+    png = out / "results.png"
+    return md, (png if plot(results, png) else None)

@@ -1,0 +1,249 @@
+"""``sglang-evict eval-tier``: the frontier run. Every candidate (eviction's scorers, the
+tier's bits, groups and outlier counts) at every KV-bytes fraction, on the needle task
+(four kinds of needle) and decode-time perplexity, through the paged reference path
+(``quality.real.frontier``); the full cache on the same inputs.
+
+Everything lands in ``<out>/results.json`` as it completes (an interrupted run
+resumes); ``results.md`` and ``results.png`` are drawn from it
+(``quality.real.frontier_report``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sglang_evict.quality.real.frontier import (
+    Candidate,
+    Shape,
+    config_for,
+    needle_answer,
+    spend,
+)
+from sglang_evict.real_model import WEIGHTS_NOTE
+
+RESULTS_FORMAT = "sglang-evict/tier-frontier"
+# The rule's candidates (docs/quality.md): bits 2, 3, 4; groups 32, 64, 128; 0 or 3
+# outlier tokens; and eviction's two best scorers on the real model.
+TIER_CANDIDATES = tuple(f"{b}:{g}:{o}" for b in (2, 3, 4) for g in (32, 64, 128) for o in (0, 3))
+RULE_CANDIDATES = ("evict:streaming", "evict:rkv", *TIER_CANDIDATES)
+KINDS = ("code7", "code5", "word", "time")
+SINK_TOKENS, WINDOW_TOKENS, PAGE_SIZE = 4, 32, 16
+# The evaluation's prompts (development and the tests use lower indexes).
+EVAL_FIRST_INDEX = 1000
+
+
+@dataclass(frozen=True)
+class FrontierSettings:
+    candidates: tuple[str, ...] = RULE_CANDIDATES
+    fractions: tuple[float, ...] = (0.25, 0.125)
+    kinds: tuple[str, ...] = KINDS
+    contexts: tuple[int, ...] = (1000,)
+    depths: tuple[float, ...] = (0.2, 0.5, 0.8)
+    per_depth: int = 1
+    max_new_tokens: int = 24
+    first_index: int = EVAL_FIRST_INDEX
+    ppl_length: int = 1024
+    ppl_sequences: int = 1
+    ppl: bool = True
+
+    def __post_init__(self) -> None:
+        from sglang_evict_kernels.tier_format import TierFormat
+
+        for text in self.candidates:
+            candidate = Candidate.parse(text)
+            if candidate.bits is None:
+                continue
+            try:
+                TierFormat(
+                    bits=candidate.bits,
+                    group_tokens=candidate.group_tokens,
+                    outlier_tokens=candidate.outlier_tokens,
+                )
+            except ValueError as error:
+                raise ValueError(f"--candidates {text}: {error}") from None
+        for fraction in self.fractions:
+            if not 0.0 < fraction < 1.0:
+                raise ValueError(f"--fractions: {fraction:g} is not in (0, 1)")
+        if self.per_depth < 1 or self.max_new_tokens < 1 or self.ppl_sequences < 1:
+            raise ValueError("--per-depth, --max-new-tokens and --ppl-sequences must be >= 1")
+        if self.ppl_length < 256:
+            raise ValueError(f"--ppl-length {self.ppl_length}: at least 256 tokens")
+
+
+QUICK = dict(
+    candidates=("evict:streaming", "3:32", "2:64"),
+    fractions=(0.25,),
+    kinds=("code7", "word"),
+    depths=(0.5,),
+    max_new_tokens=16,
+    ppl_length=512,
+)
+
+
+def load(path: Path) -> dict:
+    if path.is_file():
+        results = json.loads(path.read_text())
+        if results.get("format") != RESULTS_FORMAT:
+            raise ValueError(f"{path} is not an eval-tier results file; choose another --out")
+        return results
+    return {"format": RESULTS_FORMAT, "weights": WEIGHTS_NOTE, "needle": {}, "perplexity": {}}
+
+
+def save(results: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def run(model_path: Path, text_path: Path, out: Path, settings: FrontierSettings, *, progress=True):
+    """Run (or resume) the frontier into ``out/results.json``; returns the results."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sglang_evict.quality.real.needle import build_samples, found
+    from sglang_evict.reference_model import PagedLlama
+
+    started = time.perf_counter()
+    path = out / "results.json"
+    results = load(path)
+    results["settings"] = asdict(settings)
+    results["model"], results["text"] = str(model_path), str(text_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    text = text_path.read_text(encoding="utf-8")
+    hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    model = PagedLlama(hf)
+    shape = Shape.of(model)
+    samples = build_samples(
+        text,
+        tokenizer,
+        context_sizes=settings.contexts,
+        depths=settings.depths,
+        per_depth=settings.per_depth,
+        first_index=settings.first_index,
+        kinds=settings.kinds,
+    )
+    candidates = [Candidate.parse(c) for c in settings.candidates]
+    runs = [(None, None)] + [(c, f) for c in candidates for f in settings.fractions]
+    todo = [
+        (s, c, f)
+        for s in samples
+        for c, f in runs
+        if _needle_key(s, c, f, settings) not in results["needle"]
+    ]
+    bar = tqdm(total=len(todo), desc="needle", unit="answer", disable=not progress)
+    min_budget = SINK_TOKENS + WINDOW_TOKENS + 1
+    try:
+        for sample, candidate, fraction in todo:
+            bar.set_postfix_str(f"{candidate.name if candidate else 'full'} {fraction or ''}")
+            length = len(sample.prompt_ids) + 1  # the pass runs with the first answer token
+            config, spent = None, None
+            if candidate is not None:
+                spent = spend(
+                    candidate, fraction=fraction, length=length, shape=shape, min_budget=min_budget
+                )
+                config = _config(candidate, spent)
+            begun = time.perf_counter()
+            ids, held, passes = needle_answer(
+                model,
+                sample.prompt_ids,
+                config,
+                max_new_tokens=settings.max_new_tokens,
+                shape=shape,
+            )
+            answer = tokenizer.decode(ids, skip_special_tokens=True)
+            results["needle"][_needle_key(sample, candidate, fraction, settings)] = {
+                "sample": sample.key,
+                "prompt_tokens": len(sample.prompt_ids),
+                "kind": sample.needle.kind,
+                "candidate": "full" if candidate is None else candidate.name,
+                "fraction": fraction,
+                "held_fraction": 1.0 if held is None else round(held.fraction, 4),
+                "held_full_tokens": held and held.full_tokens,
+                "held_tier_tokens": held and held.tier_tokens,
+                "budget_tokens": spent and spent.budget_tokens,
+                "tier_tokens": spent and spent.tier_tokens,
+                "found": found(sample.needle, answer),
+                "answer": answer[:120],
+                "passes": passes,
+                "seconds": round(time.perf_counter() - begun, 1),
+            }
+            save(results, path)
+            bar.update(1)
+    finally:
+        bar.close()
+    if settings.ppl:
+        _perplexity(model, tokenizer, text, shape, candidates, settings, results, path, progress)
+    results["wall_s"] = round(results.get("wall_s", 0.0) + time.perf_counter() - started, 1)
+    save(results, path)
+    return results
+
+
+def _config(candidate: Candidate, spent, cadence_tokens: int = 64, evict_prompt: bool = True):
+    return config_for(
+        candidate,
+        spent,
+        page_size=PAGE_SIZE,
+        sink_tokens=SINK_TOKENS,
+        window_tokens=WINDOW_TOKENS,
+        cadence_tokens=cadence_tokens,
+        evict_prompt=evict_prompt,
+    )
+
+
+def _needle_key(sample, candidate: Candidate | None, fraction: float | None, settings) -> str:
+    """One answer's key: what decides it (the sample, the candidate, the fraction, the
+    answer's length), so a run with other settings never reuses it."""
+    name = "full" if candidate is None else candidate.name
+    return f"{sample.key}|{name}|{fraction}|{settings.max_new_tokens}"
+
+
+def _perplexity(model, tokenizer, text, shape, candidates, settings, results, path, progress):
+    """Decode-time perplexity (``quality.real.perplexity``'s protocol) at each fraction
+    of the sequence's length, the tier's bound and budget from ``spend`` over the whole
+    sequence: at its end the request holds the fraction's bytes."""
+    from tqdm import tqdm
+
+    from sglang_evict.quality.real import perplexity as ppl
+
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    sequences = ppl.sequences(ids, settings.ppl_length, settings.ppl_sequences)
+    runs = [(None, None)] + [(c, f) for c in candidates for f in settings.fractions]
+    todo = [(c, f) for c, f in runs if _ppl_key(c, f, settings) not in results["perplexity"]]
+    bar = tqdm(total=len(todo), desc="perplexity", unit="run", disable=not progress)
+    # The prompt (16 tokens) is protected; the window and sinks as in the needle task.
+    min_budget = ppl.PROMPT_TOKENS + WINDOW_TOKENS + 1
+    try:
+        for candidate, fraction in todo:
+            config, spent = None, None
+            if candidate is not None:
+                spent = spend(
+                    candidate,
+                    fraction=fraction,
+                    length=settings.ppl_length,
+                    shape=shape,
+                    min_budget=min_budget,
+                )
+                config = _config(candidate, spent, cadence_tokens=32, evict_prompt=False)
+            record = ppl.perplexity(model, sequences, config, page_size=PAGE_SIZE)
+            results["perplexity"][_ppl_key(candidate, fraction, settings)] = {
+                "candidate": "full" if candidate is None else candidate.name,
+                "fraction": fraction,
+                "spent_fraction": spent and round(spent.fraction, 4),
+                "budget_tokens": spent and spent.budget_tokens,
+                "tier_tokens": spent and spent.tier_tokens,
+                **record,
+            }
+            save(results, path)
+            bar.update(1)
+    finally:
+        bar.close()
+
+
+def _ppl_key(candidate: Candidate | None, fraction: float | None, settings) -> str:
+    name = "full" if candidate is None else candidate.name
+    return f"{name}|{fraction}|{settings.ppl_length}x{settings.ppl_sequences}"

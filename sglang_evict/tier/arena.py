@@ -1,0 +1,176 @@
+"""The tier's storage: a fixed arena of group slots per layer, and which request owns
+which slot. Stateful (the mechanism's); the host keeps the free list and the owners,
+the device holds the packed bytes.
+
+One arena serves every request of a server. It is sized once, as a share of the KV
+memory (``arena_groups_for_share``: the KV pool shrinks by it, so the tier's bytes are
+memory the server owns and counts), and never grows::
+
+    slot        0 .. num_groups - 1: a group of G tokens of one request, every layer
+    trash       num_groups: where a pass writes the groups it gives up at once (their
+                target is chosen on the device; nothing reads the trash slot)
+    owner       slot -> request id (host); a request's slots in the order it got them
+    free        the slots no request owns (host, a stack)
+    score       float32 [num_groups + 1] on the device: each held group's score (the mean
+                of its tokens' scores when it entered), what a full tier compares
+
+Invariants (``check``, tested after every operation): every slot is either free or
+owned by exactly one request; no request owns more than its bound; the trash slot is
+never free nor owned.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from sglang_evict_kernels.tier_format import TierFormat, TierStore
+
+
+def group_bytes(fmt: TierFormat, num_layers: int, kv_heads: int, full_dtype: torch.dtype) -> int:
+    """Bytes one group slot holds across every layer (the stores' tensors, exactly)."""
+    return sum(
+        TierStore.empty(
+            fmt, 1, kv_heads, full_dtype, device="meta", outliers=fmt.outliers_for_layer(layer)
+        ).nbytes()
+        for layer in range(num_layers)
+    )
+
+
+def arena_groups_for_share(
+    *,
+    share: float,
+    kv_pool_bytes: int,
+    fmt: TierFormat,
+    num_layers: int,
+    kv_heads: int,
+    full_dtype: torch.dtype,
+) -> int:
+    """Group slots that ``share`` of ``kv_pool_bytes`` holds (the trash slot included
+    in the bytes)."""
+    if not 0.0 < share < 1.0:
+        raise ValueError(
+            f"--kv-tier-pool-share {share}: the share of the KV memory the tier takes, in (0, 1)"
+        )
+    per_group = group_bytes(fmt, num_layers, kv_heads, full_dtype)
+    return max(0, math.floor(share * kv_pool_bytes / per_group) - 1)
+
+
+class TierArena:
+    """``num_groups`` group slots (plus the trash slot) of every layer."""
+
+    def __init__(
+        self,
+        fmt: TierFormat,
+        *,
+        num_groups: int,
+        num_layers: int,
+        kv_heads: int,
+        full_dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if num_groups < 1:
+            raise ValueError(
+                f"the tier's arena holds {num_groups} groups: raise --kv-tier-pool-share "
+                f"or the KV memory, or run without --kv-tier-bits"
+            )
+        self.fmt = fmt
+        self.num_groups = num_groups
+        self.trash = num_groups
+        self.device = torch.device(device)
+        self.stores = [
+            TierStore.empty(
+                fmt,
+                num_groups + 1,
+                kv_heads,
+                full_dtype,
+                device=self.device,
+                outliers=fmt.outliers_for_layer(layer),
+            )
+            for layer in range(num_layers)
+        ]
+        self.scores = torch.zeros(num_groups + 1, dtype=torch.float32, device=self.device)
+        self._free = list(range(num_groups - 1, -1, -1))  # pop() hands out slot 0 first
+        self.owned: dict[str, list[int]] = {}
+
+    # --- host bookkeeping ------------------------------------------------------------
+
+    @property
+    def free_groups(self) -> int:
+        return len(self._free)
+
+    @property
+    def held_groups(self) -> int:
+        return self.num_groups - len(self._free)
+
+    def groups_of(self, rid: str) -> list[int]:
+        return self.owned.get(rid, [])
+
+    def tokens_of(self, rid: str) -> int:
+        return len(self.owned.get(rid, ())) * self.fmt.group_tokens
+
+    def peek(self, count: int) -> list[int]:
+        """The next ``count`` slots ``take`` would hand out, in its order."""
+        return self._free[::-1][:count]
+
+    def take(self, rid: str, count: int) -> list[int]:
+        """Up to ``count`` free slots for ``rid`` (fewer when the arena runs short)."""
+        count = min(count, len(self._free))
+        if count <= 0:
+            return []
+        got = [self._free.pop() for _ in range(count)]
+        self.owned.setdefault(rid, []).extend(got)
+        return got
+
+    def release(self, rid: str) -> int:
+        """Give back every slot ``rid`` owns (finish, abort, retraction); the count."""
+        slots = self.owned.pop(rid, [])
+        self._free.extend(reversed(slots))
+        return len(slots)
+
+    def nbytes(self) -> int:
+        """Bytes the arena's tensors hold on the device (every layer, trash included)."""
+        return sum(store.nbytes() for store in self.stores) + self.scores.numel() * 4
+
+    def bytes_per_group(self) -> int:
+        return sum(store.nbytes() for store in self.stores) // (self.num_groups + 1)
+
+    def table(self, rids: list[str], device=None) -> tuple[Tensor, Tensor]:
+        """``(group_table [B, max groups] int32, num_groups [B] int32)`` of ``rids`` for
+        the tier's attention (padding: the trash slot, never read)."""
+        lists = [self.owned.get(rid, []) for rid in rids]
+        width = max((len(s) for s in lists), default=0)
+        table = torch.full((len(rids), max(width, 1)), self.trash, dtype=torch.int32)
+        for i, slots in enumerate(lists):
+            if slots:
+                table[i, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        counts = torch.tensor([len(s) for s in lists], dtype=torch.int32)
+        device = self.device if device is None else device
+        return table.to(device), counts.to(device)
+
+    def check(self, max_groups_per_request: int | None = None) -> None:
+        """Raise ``AssertionError`` if the module docstring's invariants break."""
+        seen: dict[int, str] = {}
+        for rid, slots in self.owned.items():
+            if max_groups_per_request is not None and len(slots) > max_groups_per_request:
+                raise AssertionError(
+                    f"request {rid} holds {len(slots)} tier groups, above its bound "
+                    f"{max_groups_per_request}"
+                )
+            for slot in slots:
+                if slot in seen:
+                    raise AssertionError(f"tier slot {slot} owned by {seen[slot]} and {rid}")
+                if not 0 <= slot < self.num_groups:
+                    raise AssertionError(f"request {rid} owns slot {slot} outside the arena")
+                seen[slot] = rid
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a tier slot is free twice")
+        if free & set(seen):
+            raise AssertionError(f"tier slots {sorted(free & set(seen))[:8]} are free and owned")
+        if len(free) + len(seen) != self.num_groups:
+            raise AssertionError(
+                f"{self.num_groups - len(free) - len(seen)} tier slots are neither free nor owned"
+            )

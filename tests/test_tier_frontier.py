@@ -1,0 +1,176 @@
+"""``sglang-evict eval-tier``'s pure parts: how a candidate spends a fraction of the KV
+bytes, the needle kinds, the report and the rule that picks the tier's defaults; and one
+needle answer through the paged reference path on the tiny model, holding the bytes it
+was given."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_evict.quality.real import frontier_report
+from sglang_evict.quality.real.frontier import Candidate, Shape, config_for, needle_answer, spend
+from sglang_evict.quality.real.frontier_run import FrontierSettings
+from sglang_evict.quality.real.needle import KINDS, Needle, found, needle_for
+
+SMOLLM2 = Shape(num_layers=30, num_kv_heads=3, head_dim=64)
+
+
+@pytest.mark.parametrize("text", ["evict", "evict:rkv", "3:32", "2:64:3", "4:128:0"])
+def test_candidates_parse(text):
+    candidate = Candidate.parse(text)
+    assert (candidate.bits is None) == text.startswith("evict")
+
+
+@pytest.mark.parametrize("text", ["3-32", "3", "a:b", "3:32:1:1"])
+def test_a_malformed_candidate_is_refused_naming_the_flag(text):
+    with pytest.raises(ValueError, match="--candidates"):
+        Candidate.parse(text)
+
+
+def test_a_candidate_the_format_cannot_hold_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--candidates 3:24"):
+        FrontierSettings(candidates=("3:24",))
+
+
+@pytest.mark.parametrize("fraction", [0.125, 0.25, 0.5])
+@pytest.mark.parametrize("length", [700, 1057, 2049])
+@pytest.mark.parametrize(
+    "text", ["evict", "2:32", "2:128:3", "3:32", "3:64", "3:128:3", "4:32", "4:128"]
+)
+def test_a_spend_never_holds_more_than_its_bytes(text, length, fraction):
+    candidate = Candidate.parse(text)
+    try:
+        spent = spend(candidate, fraction=fraction, length=length, shape=SMOLLM2, min_budget=37)
+    except ValueError as error:  # too few bytes for the protected tokens and one group
+        assert "cannot hold" in str(error)
+        return
+    assert spent.budget_tokens >= 37
+    assert spent.fraction <= fraction + 1e-9
+    if candidate.bits is None:
+        assert spent.tier_tokens == 0
+        return
+    g = candidate.group_tokens
+    assert spent.tier_tokens % g == 0 and spent.tier_tokens >= g
+    # Worth spending: within one group's bytes of the fraction, or every token held.
+    ratio = frontier_ratio(candidate)
+    cold = length - spent.budget_tokens
+    assert (
+        spent.tier_tokens >= cold - cold % g
+        or spent.fraction > fraction - g * ratio / length - (g / length)
+    )
+
+
+def frontier_ratio(candidate):
+    from sglang_evict.quality.real.frontier import tier_ratio
+
+    return tier_ratio(candidate, SMOLLM2)
+
+
+def test_three_bits_in_groups_of_32_cost_a_quarter_of_bfloat16_on_smollm2():
+    # keys 24 + 8 bytes of scales, values 24 + 8, over 2 x 64 x 2 bytes: exactly 1/4
+    assert frontier_ratio(Candidate.parse("3:32")) == pytest.approx(0.25)
+    assert frontier_ratio(Candidate.parse("2:128")) < frontier_ratio(Candidate.parse("2:32"))
+    # outlier tokens cost more, but not in the first two layers
+    assert frontier_ratio(Candidate.parse("3:32:3")) > 0.25
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_needle_kind_is_found_in_its_own_sentence_and_not_in_a_near_miss(kind):
+    needles = {needle_for(seed, kind) for seed in range(100)}
+    assert len(needles) > 20
+    for needle in needles:
+        assert needle.code in needle.sentence
+        assert found(needle, f"The answer: {needle.code}.")
+    near = {"code7": "1234568", "code5": "12346", "word": "marigolds", "time": "17:45"}
+    assert not found(Needle("Oslo", {"code7": "1234567", "code5": "12345", "word": "marigold",
+                                     "time": "7:45"}[kind], kind), near[kind])  # fmt: skip
+
+
+def test_an_unknown_needle_kind_is_refused():
+    with pytest.raises(ValueError, match="needle kind"):
+        Needle("Oslo", "x", "colour")
+
+
+def fake_results(rows: dict[str, tuple[dict[str, list[bool]], float]]) -> dict:
+    """A results file: candidate -> ({kind: found list}, perplexity)."""
+    needle, ppl = {}, {}
+    for candidate, (by_kind, perplexity) in rows.items():
+        fraction = None if candidate == "full" else 0.25
+        for kind, founds in by_kind.items():
+            for i, hit in enumerate(founds):
+                needle[f"{kind}-{i}|{candidate}"] = {
+                    "candidate": candidate,
+                    "fraction": fraction,
+                    "kind": kind,
+                    "found": hit,
+                    "held_fraction": 1.0 if fraction is None else 0.24,
+                }
+        ppl[candidate] = {
+            "candidate": candidate,
+            "fraction": fraction,
+            "spent_fraction": fraction,
+            "perplexity": perplexity,
+        }
+    return {"needle": needle, "perplexity": ppl, "model": "m", "weights": "w"}
+
+
+def test_the_rule_picks_the_cheapest_of_the_near_best_eligible():
+    yes, no = [True] * 10, [False] * 10
+    results = fake_results(
+        {
+            "full": ({"code7": yes, "word": yes}, 10.0),
+            "evict streaming": ({"code7": no, "word": no}, 10.5),
+            # eligible, the most accurate
+            "tier 4b G32": ({"code7": yes, "word": yes}, 10.0),
+            # eligible, within 0.05 of the best: fewer bits wins
+            "tier 3b G64": ({"code7": [True] * 9 + [False], "word": yes}, 10.1),
+            # within 0.05 and as few bits, a smaller group: loses to G64
+            "tier 3b G32": ({"code7": yes, "word": yes}, 10.1),
+            # one kind 0.2 below the full cache: not eligible
+            "tier 2b G128": ({"code7": yes, "word": [True] * 8 + [False] * 2}, 10.0),
+            # perplexity 3 % above: not eligible
+            "tier 2b G64": ({"code7": yes, "word": yes}, 10.3),
+        }
+    )
+    rule = frontier_report.apply_rule(results)
+    eligible = {v["candidate"] for v in rule["verdicts"] if v["eligible"]}
+    assert eligible == {"tier 4b G32", "tier 3b G64", "tier 3b G32"}
+    assert rule["met"] and rule["choice"] == "tier 3b G64"
+
+
+def test_without_an_eligible_candidate_the_rule_says_so(tmp_path):
+    results = fake_results(
+        {
+            "full": ({"code7": [True] * 4}, 10.0),
+            "tier 2b G32": ({"code7": [False] * 4}, 12.0),
+        }
+    )
+    rule = frontier_report.apply_rule(results)
+    assert not rule["met"] and rule["choice"] == "tier 2b G32"
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    md, png = frontier_report.render(tmp_path)
+    text = md.read_text()
+    assert "none eligible" in text and "| tier 2b G32 | 0.25 | 0.240 | 0.00 |" in text
+    assert png is None or png.stat().st_size > 1000
+
+
+def test_a_needle_answer_holds_the_bytes_it_was_given():
+    """The tiny model (2 layers, head dim 64) through the paged reference path: after
+    the prompt's pass the request holds the spend's bytes (the answer's token beside)."""
+    from sglang_evict.reference_model import PagedLlama, build_tiny_llama
+
+    model = PagedLlama(build_tiny_llama(seed=3, hidden_size=256, num_heads=4, num_kv_heads=2))
+    shape = Shape.of(model)
+    prompt = [(5 * i + 1) % 250 for i in range(400)]
+    for text in ("evict", "3:32", "2:64"):
+        candidate = Candidate.parse(text)
+        spent = spend(candidate, fraction=0.25, length=len(prompt) + 1, shape=shape, min_budget=37)
+        config = config_for(candidate, spent, window_tokens=32)
+        _, held, passes = needle_answer(model, prompt, config, max_new_tokens=4, shape=shape)
+        assert passes >= 1
+        # + the answer's first token, and the cold tokens short of a whole group
+        assert held.full_tokens <= spent.budget_tokens + candidate.group_tokens
+        assert held.tier_tokens <= spent.tier_tokens
+        assert held.fraction == pytest.approx(spent.fraction, abs=2 / len(prompt))
