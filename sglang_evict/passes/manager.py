@@ -507,7 +507,7 @@ class EvictionManager:
         on_keep = None
         if self.tier_policy is not None:
             on_keep = lambda view, keep, scores: demotion.append(  # noqa: E731
-                self._prepare_demotion(work, view, keep, scores)
+                tier_demotion.prepare_pass(self, work.due, work.counts, view, keep, scores)
             )
         total_staging = int(staging_counts.sum())
         num_released = int(counts.pages_freed.sum()) + total_staging
@@ -560,37 +560,8 @@ class EvictionManager:
         duration_s = time.perf_counter() - start
         results = pass_results(work, scorers, strategy, copies, duration_s, self.bytes_per_slot)
         if demotion and demotion[0] is not None:
-            g = self.tier_policy.group_tokens
-            by_rid = {r.rid: r for r in results}
-            for part in demotion[0].requests:
-                result = by_rid[part.rid]
-                result.tokens_demoted = part.new_groups * g
-                result.tokens_dropped = part.dropped * g
+            tier_demotion.note_results(results, demotion[0], self.tier_policy.group_tokens)
         return results
-
-    def _prepare_demotion(self, work: PassWork, view, keep: Tensor, scores: Tensor):
-        """``tier.demotion.prepare`` of this pass: every token it does not keep
-        (``counts.tokens_evicted``, whole groups under a tier) enters the tier."""
-        if self.tier_arena is None:
-            raise ValueError(
-                "--kv-tier-bits is set but no tier arena is attached: the engine (or "
-                "driver) must size one (sglang_evict.tier.arena)"
-            )
-        g = self.tier_policy.group_tokens
-        bound = self.tier_policy.max_tier_tokens // g
-        return tier_demotion.prepare(
-            self.tier_arena,
-            rids=[d.rid for d in work.due],
-            demoted_tokens=work.counts.tokens_evicted.tolist(),
-            max_groups=[bound] * len(work.due),
-            slots=view.slots,
-            positions=view.positions,
-            valid=view.valid,
-            keep=keep,
-            scores=scores,
-            k_buffers=self.pool.k_buffers,
-            v_buffers=self.pool.v_buffers,
-        )
 
     def _graphable(self, scorers: list[Scorer]) -> bool:
         """Whether this pass is replayed as a CUDA graph (``sglang_evict.passes.graphs``):

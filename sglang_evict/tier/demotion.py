@@ -165,3 +165,38 @@ def commit(arena: TierArena, demotion: Demotion) -> None:
     arena.scores.index_copy_(0, demotion.targets, demotion.scores)
     for part in demotion.requests:
         arena.take(part.rid, part.fresh)
+
+
+def prepare_pass(manager, due, counts, view, keep: Tensor, scores: Tensor) -> Demotion | None:
+    """``prepare`` for one pass of ``manager`` (an ``EvictionManager``): every token
+    the pass does not keep (``counts.tokens_evicted``, whole groups under a tier)
+    enters its request's tier, up to the tier's bound."""
+    if manager.tier_arena is None:
+        raise ValueError(
+            "--kv-tier-bits is set but no tier arena is attached: the engine (or driver) "
+            "must size one (sglang_evict.tier.arena)"
+        )
+    policy = manager.tier_policy
+    bound = policy.max_tier_tokens // policy.group_tokens
+    return prepare(
+        manager.tier_arena,
+        rids=[d.rid for d in due],
+        demoted_tokens=counts.tokens_evicted.tolist(),
+        max_groups=[bound] * len(due),
+        slots=view.slots,
+        positions=view.positions,
+        valid=view.valid,
+        keep=keep,
+        scores=scores,
+        k_buffers=manager.pool.k_buffers,
+        v_buffers=manager.pool.v_buffers,
+    )
+
+
+def note_results(results, demotion: Demotion, group_tokens: int) -> None:
+    """Each request's ``PassResult`` gains the tokens it demoted and gave up."""
+    by_rid = {r.rid: r for r in results}
+    for part in demotion.requests:
+        result = by_rid[part.rid]
+        result.tokens_demoted = part.new_groups * group_tokens
+        result.tokens_dropped = part.dropped * group_tokens
