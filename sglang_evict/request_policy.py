@@ -7,6 +7,7 @@ A request carries its overrides in SGLang's sampling parameters, under one key o
     "sampling_params": {"custom_params": {"sglang_evict": {
         "kv_budget_tokens": 256, "cadence_tokens": 32, "scorer": "knorm"}}}
     "sampling_params": {"custom_params": {"sglang_evict": {"enabled": false}}}
+    "sampling_params": {"custom_params": {"sglang_evict": {"tier_tokens": 0}}}
 
 Every field is optional; what a request leaves out comes from the server's flags. The
 server's flags also set the limits (``RequestLimits``):
@@ -16,6 +17,9 @@ server's flags also set the limits (``RequestLimits``):
     kv_budget_tokens   sinks + protected + window < budget <= max     --kv-request-max-budget
     cadence_tokens     1 <= cadence <= max                            --kv-request-max-cadence
     scorer             the scorers this server serves per request     --kv-scorer (+ server_scorers)
+    tier_tokens        0 <= tokens <= the server's, whole groups      --kv-tier-tokens (a server
+                       (0: no tier: the request's cold tokens are     with --kv-tier-bits only)
+                       evicted)
 
 By default (no flag) a request may lower its budget and cadence and choose another
 scorer, but not hold more KV than the server's own policy allows: raising either
@@ -37,7 +41,7 @@ from typing import Any
 
 # The key of SGLang's ``custom_params`` that holds a request's overrides.
 CARRIER_KEY = "sglang_evict"
-FIELDS = ("enabled", "kv_budget_tokens", "cadence_tokens", "scorer")
+FIELDS = ("enabled", "kv_budget_tokens", "cadence_tokens", "scorer", "tier_tokens")
 # The key of a response's meta_info holding what eviction did to the request.
 REPORT_KEY = "sglang_evict"
 REPORT_FIELDS = ("passes", "tokens_evicted", "peak_kv_tokens")
@@ -61,15 +65,23 @@ class RequestPolicy:
         kv_budget_tokens: tokens the request keeps after a pass.
         cadence_tokens: a pass runs once a pass would evict at least this many tokens.
         scorer: the registered scorer ranking its tokens.
+        tier_tokens: the most tokens its quantized tier holds (0: no tier; what a pass
+            does not keep is evicted).
     """
 
     enabled: bool
     kv_budget_tokens: int
     cadence_tokens: int
     scorer: str
+    tier_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in FIELDS}
+        """The fields (``tier_tokens`` only on a request with a tier)."""
+        return {
+            name: getattr(self, name)
+            for name in FIELDS
+            if name != "tier_tokens" or self.tier_tokens
+        }
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,8 @@ class RequestLimits:
     max_cadence_tokens: int
     scorers: tuple[str, ...]
     allow_disable: bool
+    max_tier_tokens: int = 0  # the server's --kv-tier-tokens (0: the server runs no tier)
+    tier_group_tokens: int = 0
 
     @classmethod
     def of(cls, config, scorers: tuple[str, ...]) -> RequestLimits:
@@ -93,6 +107,8 @@ class RequestLimits:
             max_cadence_tokens=config.request_max_cadence,
             scorers=tuple(scorers),
             allow_disable=config.request_allow_disable,
+            max_tier_tokens=config.tier_max_tokens if config.tier_bits is not None else 0,
+            tier_group_tokens=config.tier_group_tokens,
         )
 
 
@@ -103,6 +119,7 @@ def default_policy(config) -> RequestPolicy:
         kv_budget_tokens=config.kv_budget_tokens,
         cadence_tokens=config.cadence_tokens,
         scorer=config.scorer,
+        tier_tokens=config.tier_max_tokens if config.tier_bits is not None else 0,
     )
 
 
@@ -177,11 +194,34 @@ def resolve_request_policy(
             f"{_name('scorer')}={scorer!r} is not served per request here; allowed: "
             f"{list(limits.scorers)}",
         )
+    tier = overrides.get("tier_tokens")
+    if tier is not None:
+        if not limits.max_tier_tokens:
+            raise RequestPolicyError(
+                "tier_tokens",
+                f"{_name('tier_tokens')}: this server runs no quantized tier (the operator "
+                f"turns it on with --kv-tier-bits)",
+            )
+        g = limits.tier_group_tokens
+        tier = _integer(
+            overrides,
+            "tier_tokens",
+            0,
+            limits.max_tier_tokens,
+            f"whole groups of {g} tokens, at most --kv-tier-tokens",
+        )
+        if tier % g:
+            raise RequestPolicyError(
+                "tier_tokens",
+                f"{_name('tier_tokens')}={tier}: the tier holds whole groups of {g} tokens; "
+                f"allowed: multiples of {g} in [0, {limits.max_tier_tokens}]",
+            )
     return RequestPolicy(
         enabled=enabled,
         kv_budget_tokens=defaults.kv_budget_tokens if budget is None else budget,
         cadence_tokens=defaults.cadence_tokens if cadence is None else cadence,
         scorer=defaults.scorer if scorer is None else scorer,
+        tier_tokens=defaults.tier_tokens if tier is None else tier,
     )
 
 
@@ -200,6 +240,8 @@ def bounded_kv_tokens(
     allocates its slot, so the request holds at most ``kept + cadence``, or its prompt
     plus the first decoded token (no pass runs before the second decode step). Never
     more than the whole request, ``prompt + max_new_tokens``; rounded up to whole pages.
+    Under a tier (``tier_tokens`` > 0) a pass is due once ``max(cadence, G)`` tokens
+    are cold; the tier's own bytes live in its arena, outside the pool this counts.
     A ``repack`` pass also claims staging pages for the duration of the pass
     (``PassCounts.staging_pages``), returned before it ends. (A retracted request is
     re-prefilled from its prompt and output, which count as its prompt from then on.)
@@ -217,7 +259,10 @@ def bounded_kv_tokens(
             prompt_len // page * page,
         )
         kept = max(policy.kv_budget_tokens, lead + config.window_tokens)
-        whole = min(whole, max(kept + policy.cadence_tokens, prompt_len + 1))
+        cadence = policy.cadence_tokens
+        if policy.tier_tokens:  # a pass is due once a whole group is cold (tier.policy)
+            cadence = max(cadence, config.tier_group_tokens)
+        whole = min(whole, max(kept + cadence, prompt_len + 1))
     return -(-whole // page) * page
 
 

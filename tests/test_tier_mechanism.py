@@ -355,3 +355,56 @@ def test_a_tier_pass_on_the_meta_device_reads_no_device_data(page_size):
         lengths = {rid: 48 + 16 + 20 for rid in lengths}
     manager.tier_arena.check(4)
     assert any(r.tokens_dropped for r in results.values())
+
+
+def test_a_request_sets_its_own_tier_bound_within_the_servers(model):
+    """``custom_params.sglang_evict.tier_tokens``: 0 turns the tier off for the request
+    (what a pass does not keep is evicted, as without a tier); a smaller bound holds."""
+    driver = driver_for(model, 16, tier_config(16, 3, tier_max_tokens=64))
+    requests = [
+        GenerationRequest("server", PROMPT, 90),
+        GenerationRequest("off", PROMPT, 90, custom_params={"sglang_evict": {"tier_tokens": 0}}),
+        GenerationRequest("one", PROMPT, 90, custom_params={"sglang_evict": {"tier_tokens": 16}}),
+    ]
+    peak = {r.rid: 0 for r in requests}
+
+    def on_step(step, result):
+        for req in driver.running.values():
+            peak[req.rid] = max(peak[req.rid], driver.tier_tokens(req))
+
+    result = generate(driver, model, requests, on_step=on_step)
+    passes = {rid: [p for r, _, p in result.passes if r == rid] for rid in peak}
+    assert peak == {"server": 64, "off": 0, "one": 16}
+    assert all(p.tokens_demoted == 0 for p in passes["off"])
+    # as without a tier: the protected prompt (40) and window (16) over the budget, and
+    # no token waits for a group
+    assert passes["off"] and all(p.tokens_after == 40 + 16 for p in passes["off"])
+    assert any(p.tokens_dropped for p in passes["one"])
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (24, "whole groups of 16 tokens"),
+        (128, r"out of range; allowed: \[0, 64\]"),
+        (-16, "out of range"),
+        ("16", "must be an integer"),
+    ],
+)
+def test_a_bad_tier_bound_in_a_request_is_refused_naming_the_field(model, value, message):
+    from sglang_evict.request_policy import RequestPolicyError
+
+    driver = driver_for(model, 16, tier_config(16, 3, tier_max_tokens=64))
+    with pytest.raises(RequestPolicyError, match=message) as error:
+        driver.admit("a", PROMPT, custom_params={"sglang_evict": {"tier_tokens": value}})
+    assert error.value.field == "tier_tokens"
+    assert not driver.running
+
+
+def test_a_tier_bound_on_a_server_without_a_tier_is_refused(model):
+    from sglang_evict.request_policy import RequestPolicyError
+
+    config = tier_config(16, None)
+    driver = driver_for(model, 16, config)
+    with pytest.raises(RequestPolicyError, match="runs no quantized tier"):
+        driver.admit("a", PROMPT, custom_params={"sglang_evict": {"tier_tokens": 32}})

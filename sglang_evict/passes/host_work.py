@@ -94,7 +94,8 @@ def pass_work(
         # Under a tier the cold tokens leave in whole groups; the ``cold % G`` left
         # over wait in full precision (``sglang_evict.tier.policy``): the budget that
         # keeps exactly those too, so survivors = survivors + waiting.
-        waiting = (counts.kv_len - counts.survivors) % config.tier_group_tokens
+        tiered = np.array([p.tier_tokens > 0 for p in policies], dtype=bool)
+        waiting = (counts.kv_len - counts.survivors) % config.tier_group_tokens * tiered
         if waiting.any():
             counts = count(counts.survivors + waiting)
     return PassWork(list(due), policies, counts, rows, compacted)

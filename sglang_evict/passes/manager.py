@@ -317,7 +317,8 @@ class EvictionManager:
         policy = policy or self.default_policy
         if not policy.enabled:
             return False
-        cadence = due_cold_tokens(policy.cadence_tokens, self.tier_policy)
+        tier = self.tier_policy if policy.tier_tokens else None
+        cadence = due_cold_tokens(policy.cadence_tokens, tier)
         budget = policy.kv_budget_tokens
         if kv_len < budget + cadence:  # survivors >= budget: never due
             return False
@@ -507,7 +508,7 @@ class EvictionManager:
         on_keep = None
         if self.tier_policy is not None:
             on_keep = lambda view, keep, scores: demotion.append(  # noqa: E731
-                tier_demotion.prepare_pass(self, work.due, work.counts, view, keep, scores)
+                tier_demotion.prepare_pass(self, work, view, keep, scores)
             )
         total_staging = int(staging_counts.sum())
         num_released = int(counts.pages_freed.sum()) + total_staging

@@ -91,7 +91,9 @@ def request_growth(manager, req, *, kv_len: int, num_shared: int) -> int | None:
         survivors_cap=cap,
         # Under a tier a pass is due once a whole group is cold (``tier.policy``); the
         # tier's own bytes live in its arena, outside the pool admission counts.
-        cadence=due_cold_tokens(policy.cadence_tokens, manager.tier_policy),
+        cadence=due_cold_tokens(
+            policy.cadence_tokens, manager.tier_policy if policy.tier_tokens else None
+        ),
         page_size=config.page_size,
         pass_group_steps=config.group_steps_bound,
     )

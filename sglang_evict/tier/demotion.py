@@ -167,22 +167,25 @@ def commit(arena: TierArena, demotion: Demotion) -> None:
         arena.take(part.rid, part.fresh)
 
 
-def prepare_pass(manager, due, counts, view, keep: Tensor, scores: Tensor) -> Demotion | None:
-    """``prepare`` for one pass of ``manager`` (an ``EvictionManager``): every token
-    the pass does not keep (``counts.tokens_evicted``, whole groups under a tier)
-    enters its request's tier, up to the tier's bound."""
+def prepare_pass(manager, work, view, keep: Tensor, scores: Tensor) -> Demotion | None:
+    """``prepare`` for one pass of ``manager`` (an ``EvictionManager``) over ``work``
+    (``passes.host_work.PassWork``): every token the pass does not keep
+    (``counts.tokens_evicted``, whole groups under a tier) enters its request's tier,
+    up to the request's bound (``RequestPolicy.tier_tokens``; 0: evicted)."""
     if manager.tier_arena is None:
         raise ValueError(
             "--kv-tier-bits is set but no tier arena is attached: the engine (or driver) "
             "must size one (sglang_evict.tier.arena)"
         )
-    policy = manager.tier_policy
-    bound = policy.max_tier_tokens // policy.group_tokens
+    g = manager.tier_policy.group_tokens
+    tiered = [p.tier_tokens > 0 for p in work.policies]
     return prepare(
         manager.tier_arena,
-        rids=[d.rid for d in due],
-        demoted_tokens=counts.tokens_evicted.tolist(),
-        max_groups=[bound] * len(due),
+        rids=[d.rid for d in work.due],
+        demoted_tokens=[
+            n if t else 0 for n, t in zip(work.counts.tokens_evicted.tolist(), tiered, strict=True)
+        ],
+        max_groups=[p.tier_tokens // g for p in work.policies],
         slots=view.slots,
         positions=view.positions,
         valid=view.valid,
