@@ -101,6 +101,7 @@ def fake_results(rows: dict[str, tuple[dict[str, list[bool]], float]]) -> dict:
         for kind, founds in by_kind.items():
             for i, hit in enumerate(founds):
                 needle[f"{kind}-{i}|{candidate}"] = {
+                    "sample": f"{kind}-{i}",
                     "candidate": candidate,
                     "fraction": fraction,
                     "kind": kind,
@@ -174,3 +175,15 @@ def test_a_needle_answer_holds_the_bytes_it_was_given():
         assert held.full_tokens <= spent.budget_tokens + candidate.group_tokens
         assert held.tier_tokens <= spent.tier_tokens
         assert held.fraction == pytest.approx(spent.fraction, abs=2 / len(prompt))
+
+
+def test_the_tables_compare_the_same_prompts_only():
+    results = fake_results(
+        {
+            "full": ({"code7": [True, True, False]}, 10.0),
+            "tier 3b G32": ({"code7": [True, False]}, 10.0),  # a partial run: 2 of 3
+        }
+    )
+    table = {r["candidate"]: r for r in frontier_report.needle_table(results)}
+    assert table["full"]["prompts"] == table["tier 3b G32"]["prompts"] == 2
+    assert table["full"]["accuracy"] == 1.0 and table["tier 3b G32"]["accuracy"] == 0.5

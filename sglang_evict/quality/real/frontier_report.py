@@ -19,10 +19,30 @@ RULE_PPL_MARGIN = 0.02
 RULE_TIE = 0.05
 
 
+def paired_rows(results: dict) -> list[dict]:
+    """The needle answers on the prompts every run at the same KV-bytes fraction (and
+    the full cache) answered: each fraction's comparison stays on the same prompts while
+    a run is partial or was resumed with other settings; the full cache's row is on the
+    prompts of the rule's fraction (1/4) when it ran."""
+    rows = [r for r in (results.get("needle") or {}).values() if "skipped" not in r]
+    by_run: dict[tuple, set] = defaultdict(set)
+    for row in rows:
+        by_run[(row["candidate"], row["fraction"])].add(row["sample"])
+    full = set.union(set(), *(v for (c, _), v in by_run.items() if c == "full"))
+    common: dict[float | None, set] = {}
+    for fraction in {f for (_, f) in by_run}:
+        runs = [v for (c, f), v in by_run.items() if f == fraction and c != "full"]
+        common[fraction] = set.intersection(full, *runs) if runs else full
+    if None in common:  # the full cache: on the prompts of the rule's fraction
+        common[None] = common.get(RULE_FRACTION, common[None])
+    return [row for row in rows if row["sample"] in common[row["fraction"]]]
+
+
 def needle_table(results: dict) -> list[dict]:
-    """One row per (candidate, fraction): accuracy per kind and in all, mean bytes held."""
+    """One row per (candidate, fraction): accuracy per kind and in all, mean bytes held
+    (over ``paired_rows``)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for row in (results.get("needle") or {}).values():
+    for row in paired_rows(results):
         groups[(row["candidate"], row["fraction"])].append(row)
     table = []
     for (candidate, fraction), rows in groups.items():
@@ -43,7 +63,7 @@ def needle_table(results: dict) -> list[dict]:
 
 
 def perplexity_table(results: dict) -> list[dict]:
-    rows = list((results.get("perplexity") or {}).values())
+    rows = [r for r in (results.get("perplexity") or {}).values() if "skipped" not in r]
     full = next((r["perplexity"] for r in rows if r["candidate"] == "full"), None)
     table = []
     for row in rows:
@@ -139,6 +159,16 @@ def render_markdown(results: dict) -> str:
             f"| {r['candidate']} | {asked} | {r['perplexity']:.3f} | {relative} | "
             f"{r.get('budget_tokens') or ''} | {r.get('tier_tokens') or ''} |"
         )
+    skipped = sorted(
+        {
+            f"{r['candidate']} at {r['fraction']:g}: {r['skipped']}"
+            for task in ("needle", "perplexity")
+            for r in (results.get(task) or {}).values()
+            if "skipped" in r
+        }
+    )
+    if skipped:
+        lines += ["", "Not run (too few bytes):", "", *[f"- {line}" for line in skipped]]
     rule = apply_rule(results)
     lines += ["", "## The rule (docs/quality.md)", ""]
     if rule["choice"] is None:
@@ -152,34 +182,43 @@ def render_markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> bool:
+    """The frontier: eviction's scorers and the rule's choice as lines over the bytes
+    held, every other tier candidate as a grey dot, the full cache dashed."""
     from sglang_evict.plotting import pyplot_or_none, save_figure
 
     plt = pyplot_or_none()
     if plt is None:
         return False
+    choice = apply_rule(results)["choice"]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for r in needle_table(results):
-        marker = "o" if r["candidate"].startswith("tier") else "s"
-        if r["candidate"] == "full":
-            left.axhline(r["accuracy"], color="black", linestyle="--", label="full cache")
-            continue
-        left.scatter(r["held_fraction"], r["accuracy"], marker=marker)
-        left.annotate(r["candidate"], (r["held_fraction"], r["accuracy"]), fontsize=6)
-    left.set_xlim(0, 1.02)
-    left.set_xlabel("KV bytes held (fraction of the full cache)")
-    left.set_ylabel("needles found")
+    panels = (
+        (left, needle_table(results), "held_fraction", "accuracy", "needles found"),
+        (right, perplexity_table(results), "spent_fraction", "relative", "perplexity / full's"),
+    )
+    for axis, table, x_name, y_name, label in panels:
+        lines: dict[str, list] = defaultdict(list)
+        widest = 0.0
+        for row in table:
+            if row[y_name] is None:
+                continue
+            if row["candidate"] == "full":
+                axis.axhline(row[y_name], color="black", linestyle="--", label="full cache")
+                continue
+            widest = max(widest, row[x_name])
+            if row["candidate"].startswith("evict") or row["candidate"] == choice:
+                lines[row["candidate"]].append((row[x_name], row[y_name]))
+            else:
+                axis.scatter(row[x_name], row[y_name], color="0.75", s=12)
+        axis.scatter([], [], color="0.75", s=12, label="other tier candidates")
+        for name, points in sorted(lines.items()):
+            points.sort()
+            style = "o-" if name.startswith("tier") else "s--"
+            axis.plot([p[0] for p in points], [p[1] for p in points], style, label=name)
+        axis.set_xlim(0, max(widest * 1.25, 0.1))
+        axis.set_xlabel("KV bytes held (fraction of the full cache's)")
+        axis.set_ylabel(label)
+        axis.legend(fontsize=7)
     left.set_title("needle task")
-    left.legend(fontsize=7)
-    for r in perplexity_table(results):
-        if r["candidate"] == "full" or r["relative"] is None:
-            continue
-        marker = "o" if r["candidate"].startswith("tier") else "s"
-        right.scatter(r["spent_fraction"], r["relative"], marker=marker)
-        right.annotate(r["candidate"], (r["spent_fraction"], r["relative"]), fontsize=6)
-    right.axhline(1.0, color="black", linestyle="--")
-    right.set_xlim(0, 1.02)
-    right.set_xlabel("KV bytes held (fraction of the full cache)")
-    right.set_ylabel("perplexity / full cache's")
     right.set_title("decode-time perplexity")
     figure.suptitle(f"eviction and the quantized tier at equal bytes ({results.get('weights')})")
     save_figure(plt, figure, path)

@@ -143,9 +143,24 @@ def run(model_path: Path, text_path: Path, out: Path, settings: FrontierSettings
             length = len(sample.prompt_ids) + 1  # the pass runs with the first answer token
             config, spent = None, None
             if candidate is not None:
-                spent = spend(
-                    candidate, fraction=fraction, length=length, shape=shape, min_budget=min_budget
-                )
+                try:
+                    spent = spend(
+                        candidate,
+                        fraction=fraction,
+                        length=length,
+                        shape=shape,
+                        min_budget=min_budget,
+                    )
+                except ValueError as error:  # too few bytes for it: a row saying so
+                    results["needle"][_needle_key(sample, candidate, fraction, settings)] = {
+                        "sample": sample.key,
+                        "kind": sample.needle.kind,
+                        "candidate": candidate.name,
+                        "fraction": fraction,
+                        "skipped": str(error),
+                    }
+                    bar.update(1)
+                    continue
                 config = _config(candidate, spent)
             begun = time.perf_counter()
             ids, held, passes = needle_answer(
@@ -221,13 +236,22 @@ def _perplexity(model, tokenizer, text, shape, candidates, settings, results, pa
         for candidate, fraction in todo:
             config, spent = None, None
             if candidate is not None:
-                spent = spend(
-                    candidate,
-                    fraction=fraction,
-                    length=settings.ppl_length,
-                    shape=shape,
-                    min_budget=min_budget,
-                )
+                try:
+                    spent = spend(
+                        candidate,
+                        fraction=fraction,
+                        length=settings.ppl_length,
+                        shape=shape,
+                        min_budget=min_budget,
+                    )
+                except ValueError as error:  # too few bytes for it: a row saying so
+                    results["perplexity"][_ppl_key(candidate, fraction, settings)] = {
+                        "candidate": candidate.name,
+                        "fraction": fraction,
+                        "skipped": str(error),
+                    }
+                    bar.update(1)
+                    continue
                 config = _config(candidate, spent, cadence_tokens=32, evict_prompt=False)
             record = ppl.perplexity(model, sequences, config, page_size=PAGE_SIZE)
             results["perplexity"][_ppl_key(candidate, fraction, settings)] = {
