@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sglang_evict.quality.real.evaluation import save_results as save
 from sglang_evict.quality.real.frontier import (
     Candidate,
     Shape,
@@ -90,13 +91,6 @@ def load(path: Path) -> dict:
             raise ValueError(f"{path} is not an eval-tier results file; choose another --out")
         return results
     return {"format": RESULTS_FORMAT, "weights": WEIGHTS_NOTE, "needle": {}, "perplexity": {}}
-
-
-def save(results: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(path)
 
 
 def run(model_path: Path, text_path: Path, out: Path, settings: FrontierSettings, *, progress=True):
