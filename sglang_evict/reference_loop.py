@@ -112,7 +112,7 @@ def generate(
                 context_positions,
                 kv,
                 allowed=allowed,
-                tier=driver.tier_context(req) if hasattr(driver, "tier_context") else None,
+                tier=driver.tier_context(req),
             )
             req.output_ids.append(int(logits[-1].argmax()))
             running[req.rid] = (req, spec, decoded + 1)

@@ -52,11 +52,17 @@ def small_config(**fields) -> EvictionConfig:
 
 
 def meta_manager(
-    config: EvictionConfig, *, rows: int, capacity: int, spare_pages: int, layers: int = LAYERS
+    config: EvictionConfig,
+    *,
+    rows: int,
+    capacity: int,
+    spare_pages: int,
+    layers: int = LAYERS,
+    head_dim: int = HEAD_DIM,
 ):
     page_size = config.page_size
     slots = (rows * ceil_div(capacity, page_size) + spare_pages + 1) * page_size
-    make = lambda: torch.empty(slots, KV_HEADS, HEAD_DIM, device="meta")  # noqa: E731
+    make = lambda: torch.empty(slots, KV_HEADS, head_dim, device="meta")  # noqa: E731
     pool = TensorPool(
         k_buffers=[make() for _ in range(layers)],
         v_buffers=[make() for _ in range(layers)],
@@ -79,7 +85,7 @@ def meta_manager(
             num_request_rows=rows,
             window=config.query_window_tokens,
             num_q_heads=Q_HEADS,
-            head_dim=HEAD_DIM,
+            head_dim=head_dim,
             dtype=torch.float32,
         )
         manager.query_ring = QueryRing(shape, "meta")

@@ -309,38 +309,20 @@ def test_a_tier_pass_on_the_meta_device_reads_no_device_data(page_size):
     device data raises, so two passes demoting into the tier (the second past its
     bound: groups given up, chosen on the device) prove the tier's part of a pass needs
     none."""
-    from sglang_evict.passes.manager import DueRequest, EvictionManager
-    from sglang_evict.passes.tensor_pool import TensorPool
+    from sglang_evict.passes.manager import DueRequest
     from sglang_evict.tier.arena import TierArena
+    from tests.test_batch_pass_meta import KV_HEADS, meta_manager
 
     config = tier_config(page_size, 3, tier_outlier_tokens=1)
-    rows, capacity, heads, layers = 3, 256, 2, 3
-    slots = (rows * capacity // page_size + 32) * page_size
-
-    def make():
-        return torch.empty(slots, heads, 64, device="meta")
-
-    pool = TensorPool(
-        k_buffers=[make() for _ in range(layers)],
-        v_buffers=[make() for _ in range(layers)],
-        page_size=page_size,
-        rows=rows,
-        capacity=capacity,
-    )
-    pool.free = torch.empty(32, dtype=torch.int64, device="meta")
-    manager = EvictionManager(
-        config=config,
-        pool=pool,
-        compactor=None,
-        num_request_rows=rows,
-        row_capacity=capacity,
-        device="meta",
+    layers = 3  # the third holds outlier tokens
+    manager, _ = meta_manager(
+        config, rows=3, capacity=256, spare_pages=32, layers=layers, head_dim=64
     )
     manager.tier_arena = TierArena(
         manager.tier_policy.fmt,
         num_groups=16,
         num_layers=layers,
-        kv_heads=heads,
+        kv_heads=KV_HEADS,
         full_dtype=DTYPE,
         device="meta",
     )

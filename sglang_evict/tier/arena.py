@@ -101,19 +101,17 @@ class TierArena:
     def free_groups(self) -> int:
         return len(self._free)
 
-    @property
-    def held_groups(self) -> int:
-        return self.num_groups - len(self._free)
-
     def groups_of(self, rid: str) -> list[int]:
         return self.owned.get(rid, [])
 
     def tokens_of(self, rid: str) -> int:
         return len(self.owned.get(rid, ())) * self.fmt.group_tokens
 
-    def peek(self, count: int) -> list[int]:
-        """The next ``count`` slots ``take`` would hand out, in its order."""
-        return self._free[::-1][:count]
+    def peek(self, count: int, after: int = 0) -> list[int]:
+        """The ``count`` slots ``take`` would hand out after the next ``after``, in its
+        order (O(count): a pass reads only what it takes)."""
+        end = len(self._free) - after
+        return self._free[max(end - count, 0) : end][::-1]
 
     def take(self, rid: str, count: int) -> list[int]:
         """Up to ``count`` free slots for ``rid`` (fewer when the arena runs short)."""
@@ -133,9 +131,6 @@ class TierArena:
     def nbytes(self) -> int:
         """Bytes the arena's tensors hold on the device (every layer, trash included)."""
         return sum(store.nbytes() for store in self.stores) + self.scores.numel() * 4
-
-    def bytes_per_group(self) -> int:
-        return sum(store.nbytes() for store in self.stores) // (self.num_groups + 1)
 
     def table(self, rids: list[str], device=None) -> tuple[Tensor, Tensor]:
         """``(group_table [B, max groups] int32, num_groups [B] int32)`` of ``rids`` for

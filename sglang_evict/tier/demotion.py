@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from sglang_evict.tier.arena import TierArena
+from sglang_evict.tier.policy import groups_to_drop
 from sglang_evict_kernels.tier_format import TierStore
 from sglang_evict_kernels.tier_quant import quantize_into
 
@@ -55,10 +56,6 @@ class Demotion:
     targets: Tensor  # int64 [groups]: the arena slot of each new group (trash: given up)
     scores: Tensor  # float32 [groups]
     scratch: list[TierStore]  # per layer, the groups quantized
-
-    @property
-    def groups(self) -> int:
-        return int(self.targets.numel())
 
 
 def _cold_order(valid: Tensor, keep: Tensor, positions: Tensor, count: int) -> Tensor:
@@ -88,8 +85,7 @@ def prepare(
     free_left = arena.free_groups
     parts: list[RequestDemotion] = []
     token_slots, targets, group_scores = [], [], []
-    fresh_base = 0
-    peek = arena.peek(free_left)  # the order ``take`` hands them out in
+    fresh_base = 0  # fresh slots promised to the requests before this one
     for i, (rid, demoted, bound) in enumerate(zip(rids, demoted_tokens, max_groups, strict=True)):
         new = demoted // g
         if new == 0:
@@ -97,8 +93,7 @@ def prepare(
         old = arena.groups_of(rid)
         fresh = max(0, min(new, bound - len(old), free_left))
         free_left -= fresh
-        kept_total = len(old) + fresh
-        dropped = len(old) + new - kept_total
+        dropped = new - fresh  # groups over the bound or the arena, old or new
         order = _cold_order(valid[i], keep[i], positions[i], new * g)
         token_slots.append(slots[i].index_select(0, order).view(new, g))
         cleaned = torch.nan_to_num(
@@ -106,7 +101,8 @@ def prepare(
         )
         new_scores = cleaned.view(new, g).mean(dim=1)
         group_scores.append(new_scores)
-        fresh_slots = torch.tensor(peek[fresh_base : fresh_base + fresh], dtype=torch.int64)
+        # the slots ``take`` hands out at the commit, in its order
+        fresh_slots = torch.tensor(arena.peek(fresh, after=fresh_base), dtype=torch.int64)
         fresh_base += fresh
         targets.append(_targets(arena, old, fresh_slots.to(device), new_scores, dropped, device))
         parts.append(RequestDemotion(rid, i, new, fresh, dropped))
@@ -141,15 +137,13 @@ def _targets(
     scored groups, old and new (ties to the older), ``dropped`` go; a kept new group
     takes a fresh slot, then the slot of an old group given up; a new group given up
     goes to the trash slot."""
-    new = new_scores.numel()
+    if dropped == 0:  # every new group has a fresh slot
+        return fresh_slots
     trash = torch.tensor([arena.trash], dtype=torch.int64, device=device)
     old_slots = torch.tensor(old, dtype=torch.int64, device=device)
-    if dropped == 0:
-        return torch.cat([fresh_slots, trash])[:new]
     all_scores = torch.cat([arena.scores.index_select(0, old_slots), new_scores])
-    order = torch.argsort(all_scores, stable=True)  # lowest first, ties to the older
     gone = torch.zeros(all_scores.numel(), dtype=torch.bool, device=device)
-    gone[order[:dropped]] = True
+    gone[groups_to_drop(all_scores, dropped)] = True  # old first: ties to the older
     old_gone, new_kept = gone[: len(old)], ~gone[len(old) :]
     # The old slots given up first, then the kept ones (never reached by a rank).
     freed_first = old_slots.index_select(0, torch.argsort((~old_gone).to(torch.int8), stable=True))
