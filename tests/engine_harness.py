@@ -324,6 +324,7 @@ class ServedEngine:
         log_path: Path,
         eviction_flags: list[str],
         env: dict | None = None,
+        engine_overrides: dict | None = None,
     ) -> None:
         self.extra_env = dict(env or {})
         self.port = free_port()
@@ -333,7 +334,7 @@ class ServedEngine:
             "sglang-evict",
             "serve",
             *eviction_flags,
-            *server_flags(cpu_engine_kwargs(model_path)),
+            *server_flags(cpu_engine_kwargs(model_path, **(engine_overrides or {}))),
             "--enable-metrics",
             "--host",
             "127.0.0.1",

@@ -291,7 +291,10 @@ CASES = [
     ("eval-tier candidates", ["eval-tier", "--candidates", "5:32"],
      "--candidates 5:32: tier bits 5 not supported", {}),
     ("eval-tier candidate form", ["eval-tier", "--candidates", "3-32"],
-     "--candidates '3-32': 'evict', 'evict:SCORER' or BITS:GROUP[:OUTLIERS]", {}),
+     "--candidates '3-32': 'evict', 'evict:SCORER' or BITS:GROUP[:OUTLIERS[:VALUE_GROUP]]"
+     "[/SCORER]", {}),
+    ("eval-tier candidate scorer", ["eval-tier", "--candidates", "3:32/nosuch"],
+     "--candidates 3:32/nosuch: scorer 'nosuch'; known:", {}),
     ("eval-tier render nothing", ["eval-tier", "--render-only", "--out", "{model}/none"],
      "--render-only: no {model}/none/results.json to draw from", {}),
 ]  # fmt: skip

@@ -6,6 +6,7 @@ was given."""
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
@@ -23,7 +24,7 @@ def test_candidates_parse(text):
     assert (candidate.bits is None) == text.startswith("evict")
 
 
-@pytest.mark.parametrize("text", ["3-32", "3", "a:b", "3:32:1:1"])
+@pytest.mark.parametrize("text", ["3-32", "3", "a:b", "3:32:1:32:1"])
 def test_a_malformed_candidate_is_refused_naming_the_flag(text):
     with pytest.raises(ValueError, match="--candidates"):
         Candidate.parse(text)
@@ -187,3 +188,156 @@ def test_the_tables_compare_the_same_prompts_only():
     table = {r["candidate"]: r for r in frontier_report.needle_table(results)}
     assert table["full"]["prompts"] == table["tier 3b G32"]["prompts"] == 2
     assert table["full"]["accuracy"] == 1.0 and table["tier 3b G32"]["accuracy"] == 0.5
+
+
+# --- the tier's scorer and transformers' quantized cache (the peer) -----------------------
+
+
+def test_a_tier_candidate_names_the_scorer_that_evicts_beyond_it():
+    candidate = Candidate.parse("2:32:3/rkv")
+    assert (candidate.bits, candidate.group_tokens, candidate.outlier_tokens) == (2, 32, 3)
+    assert candidate.scorer == "rkv" and candidate.name == "tier 2b G32 o3 rkv"
+    assert Candidate.parse("3:64").name == "tier 3b G64"  # streaming: the default
+    assert frontier_report._bits_group_outliers("tier 2b G32 o3 rkv") == (2, 32, 3)
+    assert frontier_report._bits_group_outliers("tier 3b G64 rkv") == (3, 64, 0)
+    wide = Candidate.parse("3:64:0:64/rkv")
+    assert wide.value_group_channels == 64 and wide.name == "tier 3b G64 V64 rkv"
+    assert frontier_ratio(wide) < frontier_ratio(Candidate.parse("3:64"))
+
+
+@pytest.mark.parametrize("text", ["3:64/nosuch", "evict:nosuch"])
+def test_an_unknown_scorer_is_refused_naming_the_flag(text):
+    with pytest.raises(ValueError, match=r"--candidates .*nosuch"):
+        FrontierSettings(candidates=(text,))
+    with pytest.raises(ValueError, match="--candidates"):
+        Candidate.parse("3:64/")
+
+
+def test_the_peer_counts_packed_codes_at_their_size_and_every_float_at_two_bytes():
+    import torch
+
+    from sglang_evict.quality.real import qcache_peer
+
+    codes = torch.zeros(4, 8, dtype=torch.uint8)  # 32 bytes
+    meta = {"scale": torch.zeros(4, dtype=torch.float32), "zero": torch.zeros(4), "shape": (4,)}
+    assert qcache_peer.tensor_bytes((codes, meta)) == 32 + 2 * 4 * 2
+    assert qcache_peer.tensor_bytes(torch.zeros(3, 5, dtype=torch.float32)) == 30
+    assert qcache_peer.tensor_bytes(None) == 0
+
+    class Layer:  # a residual of 2 tokens beside the quantized part
+        _quantized_keys = (codes, meta)
+        _quantized_values = (codes, meta)
+        keys = torch.zeros(1, 2, 2, 8)
+        values = torch.zeros(1, 2, 2, 8)
+
+    cache = types.SimpleNamespace(layers=[Layer(), Layer()])
+    assert qcache_peer.held_bytes(cache) == 2 * (2 * 48 + 2 * 32 * 2)
+
+
+def fake_peer(held: dict[str, float]) -> dict:
+    entries = [
+        {
+            "task": "needle",
+            "method": method,
+            "rows": [
+                {"key": f"code7-{i}", "kind": "code7", "found": i < 2, "held_fraction": f}
+                for i in range(4)
+            ],
+        }
+        for method, f in held.items()
+    ]
+    entries += [
+        {"task": "perplexity", "method": m, "perplexity": 10.0 / f, "held_fraction": f}
+        for m, f in held.items()
+    ]
+    return {
+        "status": "ok",
+        "entries": entries,
+        "skipped": [{"task": "needle", "method": "hf-hqq 3b G64", "reason": "RuntimeError: x"}],
+        "versions": {"hqq": "0.2.8.post1"},
+    }
+
+
+def test_the_peer_sits_beside_the_frontier_at_the_bytes_it_held(tmp_path):
+    from sglang_evict.quality.real import qcache
+
+    peer = fake_peer({"hf-full": 1.0, "hf-quanto 2b G64": 0.1571, "hf-quanto 4b G64": 0.2812})
+    assert qcache.fractions(qcache.needle_rows(peer)) == [0.157, 0.281]
+    results = fake_results(
+        {"full": ({"code7": [True] * 4}, 10.0), "tier 3b G64": ({"code7": [True] * 4}, 10.0)}
+    )
+    for key, row in list(results["needle"].items()):  # the tier again at the peer's bytes
+        if row["candidate"] != "full":
+            results["needle"][key + "|peer"] = {**row, "fraction": 0.157, "held_fraction": 0.15}
+    results["peers"] = {"quantized_cache": peer}
+    needles, ppl, skipped = frontier_report.peer_tables(results)
+    assert [(r["candidate"], r["at"]) for r in needles] == [
+        ("hf-quanto 2b G64", 0.157),
+        ("tier 3b G64", 0.157),
+        ("hf-quanto 4b G64", 0.281),
+    ]
+    assert needles[0]["accuracy"] == 0.5 and needles[1]["accuracy"] == 1.0
+    assert [r["candidate"] for r in ppl] == ["hf-quanto 2b G64", "hf-quanto 4b G64"]
+    assert ppl[0]["relative"] == pytest.approx(1 / 0.1571)
+    assert skipped == ["needle hf-hqq 3b G64: RuntimeError: x"]
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    md, png = frontier_report.render(tmp_path)
+    text = md.read_text()
+    assert "| 0.157 | **hf-quanto 2b G64** | 0.157 | 0.50 |" in text
+    assert "| 0.157 | tier 3b G64 | 0.150 | 1.00 |" in text
+    assert "hf-hqq 3b G64: RuntimeError" in text
+    assert png is None or png.stat().st_size > 1000
+
+
+def test_a_peer_that_did_not_run_says_why_in_the_report(tmp_path):
+    results = fake_results({"full": ({"code7": [True]}, 10.0)})
+    results["peers"] = {"quantized_cache": {"status": "not run", "reason": "no network"}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    md, _ = frontier_report.render(tmp_path)
+    assert "no network" in md.read_text()
+
+
+def test_the_quantized_cache_peer_on_the_real_model(tmp_path, real_model, real_text):
+    """transformers' QuantizedCache in its own environment on one real needle prompt and
+    a short perplexity sequence: its full cache answers what the paged reference path's
+    full cache answers; quanto's 2 bits in groups of 64 hold what the format says (2 bits
+    and a 16-bit scale and shift per 64 values; the last prompt token in the residual).
+    Runs where the environment exists (``sglang-evict eval-tier`` creates it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sglang_evict.quality import peer_env
+    from sglang_evict.quality.real import qcache
+    from sglang_evict.quality.real.needle import build_samples
+    from sglang_evict.reference_model import PagedLlama
+
+    venv = qcache.QCACHE.default_venv()
+    if peer_env.probe(qcache.QCACHE, venv) is None:
+        pytest.skip(f"no quantized-cache environment at {venv} (set {qcache.QCACHE.venv_env})")
+    tokenizer = AutoTokenizer.from_pretrained(str(real_model))
+    text = real_text.read_text(encoding="utf-8")
+    samples = build_samples(
+        text, tokenizer, context_sizes=(600,), depths=(0.5,), first_index=7, kinds=("word",)
+    )
+    sequence = tokenizer(text[:4000], add_special_tokens=False)["input_ids"][:80]
+    job = qcache.write_job(tmp_path / "job.json", real_model, samples, 8, [sequence], 16)
+    spec = json.loads(job.read_text())
+    spec["configs"] = [["quanto", 2]]
+    job.write_text(json.dumps(spec))
+    peer = peer_env.run_peer(
+        venv, job, tmp_path / "out.json", module=qcache.PEER_MODULE, progress=False
+    )
+    assert peer["skipped"] == []
+    needles = {r["candidate"]: r for r in qcache.needle_rows(peer)}
+    hf = AutoModelForCausalLM.from_pretrained(str(real_model), dtype=torch.float32).eval()
+    model = PagedLlama(hf)
+    ids, _, _ = needle_answer(
+        model, samples[0].prompt_ids, None, max_new_tokens=8, shape=Shape.of(model)
+    )
+    ours = found(samples[0].needle, tokenizer.decode(ids, skip_special_tokens=True))
+    assert needles["hf-full"]["accuracy"] == float(ours)
+    length = len(samples[0].prompt_ids)
+    expected = ((length - 1) * (2 / 8 + 2 * 2 / 64) / 2 + 1) / length
+    assert needles["hf-quanto 2b G64"]["held_fraction"] == pytest.approx(expected, abs=0.002)
+    ppl = {r["candidate"]: r for r in qcache.perplexity_rows(peer)}
+    assert ppl["hf-full"]["relative"] == 1.0 and ppl["hf-quanto 2b G64"]["perplexity"] > 1.0

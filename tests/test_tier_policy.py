@@ -120,3 +120,13 @@ def test_the_most_a_request_holds_counts_the_waiting_tokens_and_a_full_tier():
     per_token_head = (28 * (64 + 3 * 258 / 32) + 2 * 64) / 30
     slots = tier_slot_equivalent(1024, FMT, **args)
     assert slots == -(-1024 * per_token_head // 256)
+
+
+def test_a_group_scores_as_its_highest_token_so_one_needle_keeps_its_group():
+    from sglang_evict.tier.policy import group_scores, groups_to_drop
+
+    # group 0: filler with one high token (a needle); group 1: uniformly middling
+    tokens = torch.tensor([0.0, 0.0, 9.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    scores = group_scores(tokens, 4)
+    assert scores.tolist() == [9.0, 2.0]
+    assert groups_to_drop(scores, 1).tolist() == [1]  # the needle's group stays

@@ -11,12 +11,15 @@ that share only what both use.
                       perplexity, kvpress's presses
     forced            teacher-forced decoding through SGLang's      (both)
                       memory classes
-    kvpress_bridge    kvpress's own environment; running a peer     (both)
-                      module in it
+    peer_env          a peer's own virtual environment (kvpress,    (both)
+                      transformers' quantized cache); running a
+                      peer module in it
+    kvpress_bridge    kvpress's environment (a ``peer_env``)        (both)
     cli               the three subcommands' flags and handlers     (both)
 
-Import rule: ``reference`` and ``real`` import nothing of each other; the kvpress peers
-(``reference.kvpress_peer``, ``real.kvpress_peer``) run under another ``transformers``
-and import only pure modules (``reference.task``, ``real.needle``); everything that
+Import rule: ``reference`` and ``real`` import nothing of each other; the peers
+(``reference.kvpress_peer``, ``real.kvpress_peer``, ``real.qcache_peer``) run in
+environments of their own and import only pure modules (``reference.task``,
+``real.needle``); everything that
 touches SGLang goes through ``sglang_evict.srt`` (``forced``, the engine runner).
 """

@@ -311,11 +311,18 @@ def _eval_tier(args: argparse.Namespace) -> int:
         ("per_depth", args.per_depth),
         ("max_new_tokens", args.max_new_tokens),
         ("ppl_length", args.ppl_length),
+        ("first_index", args.first_index),
+        (
+            "peer_candidates",
+            args.peer_candidates and tuple(c.strip() for c in args.peer_candidates.split(",")),
+        ),
     ):
         if value:
             base[name] = value
     if args.no_ppl:
         base["ppl"] = False
+    if args.peers is not None:
+        base["peers"] = args.peers
     settings = dataclasses.replace(frontier.FrontierSettings(), **base)
     from sglang_evict.quality.real.needle import KINDS
 
@@ -326,7 +333,8 @@ def _eval_tier(args: argparse.Namespace) -> int:
     print(
         f"eval-tier: {model} ({frontier.WEIGHTS_NOTE}); {len(settings.candidates)} "
         f"candidates at KV bytes {list(settings.fractions)}; needles {list(settings.kinds)}; "
-        f"perplexity {'on' if settings.ppl else 'off'}; results in {out} (resumed when present)"
+        f"perplexity {'on' if settings.ppl else 'off'}; transformers' quantized cache "
+        f"{'on' if settings.peers else 'off'}; results in {out} (resumed when present)"
     )
     start = time.perf_counter()
     frontier.run(model, text, out, settings, progress=not args.no_progress)
@@ -477,13 +485,28 @@ def add_quality_commands(commands) -> None:
     tier.add_argument(
         "--candidates",
         default=None,
-        help="evict, evict:SCORER or BITS:GROUP[:OUTLIERS], comma-separated "
-        "(default: the rule's 18 tier candidates and evict:streaming,evict:rkv)",
+        help="evict, evict:SCORER or BITS:GROUP[:OUTLIERS][/SCORER], comma-separated "
+        "(default: the rule's candidates, docs/quality.md)",
+    )
+    tier.add_argument(
+        "--peers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run transformers' QuantizedCache (quanto, HQQ) in its own environment, "
+        "then the frontier's candidates at the bytes it held (default: on; off with --quick)",
+    )
+    tier.add_argument(
+        "--peer-candidates",
+        default=None,
+        help="what runs at the peer's bytes (default: the rule's choice and eviction's best)",
+    )
+    tier.add_argument(
+        "--first-index", type=int, default=None, help="first needle index (1000: evaluation)"
     )
     tier.add_argument("--fractions", default=None, help="KV bytes held: 0.25,0.125")
     tier.add_argument("--kinds", default=None, help="needle kinds: code7,code5,word,time")
     tier.add_argument("--depths", default=None, help="needle depths: 0.2,0.5,0.8")
-    tier.add_argument("--per-depth", type=int, default=None, help="needles per depth (1)")
+    tier.add_argument("--per-depth", type=int, default=None, help="needles per depth (2)")
     tier.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (24)")
     tier.add_argument("--ppl-length", type=int, default=None, help="perplexity tokens (1024)")
     tier.add_argument("--no-ppl", action="store_true", help="the needle task only")

@@ -11,8 +11,8 @@ memory the server owns and counts), and never grows::
                 target is chosen on the device; nothing reads the trash slot)
     owner       slot -> request id (host); a request's slots in the order it got them
     free        the slots no request owns (host, a stack)
-    score       float32 [num_groups + 1] on the device: each held group's score (the mean
-                of its tokens' scores when it entered), what a full tier compares
+    score       float32 [num_groups + 1] on the device: each held group's score (the
+                highest of its tokens' scores when it entered), what a full tier compares
 
 Invariants (``check``, tested after every operation): every slot is either free or
 owned by exactly one request; no request owns more than its bound; the trash slot is

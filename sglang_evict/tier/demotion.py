@@ -5,7 +5,8 @@ Two steps, so that a pass that fails before anything moved leaves the tier as it
 
     prepare (after selection, before the moves)
         per request: its cold entries (valid, not kept) in position order, cut into
-        groups of G; each group's score (the mean of its tokens' scores); which
+        groups of G; each group's score (the highest of its tokens' scores: a group
+        holding one token the scorer ranks high is worth keeping whole); which
         groups the tier gives up when it would pass its bound (lowest score, ties to
         the older: ``tier.policy.groups_to_drop``'s rule, on the device); the slot
         each kept new group goes to (a fresh arena slot, or the slot of an old group
@@ -30,7 +31,7 @@ import torch
 from torch import Tensor
 
 from sglang_evict.tier.arena import TierArena
-from sglang_evict.tier.policy import groups_to_drop
+from sglang_evict.tier.policy import group_scores, groups_to_drop
 from sglang_evict_kernels.tier_format import TierStore
 from sglang_evict_kernels.tier_quant import quantize_into
 
@@ -84,7 +85,7 @@ def prepare(
     device = slots.device
     free_left = arena.free_groups
     parts: list[RequestDemotion] = []
-    token_slots, targets, group_scores = [], [], []
+    token_slots, targets, new_group_scores = [], [], []
     fresh_base = 0  # fresh slots promised to the requests before this one
     for i, (rid, demoted, bound) in enumerate(zip(rids, demoted_tokens, max_groups, strict=True)):
         new = demoted // g
@@ -99,8 +100,8 @@ def prepare(
         cleaned = torch.nan_to_num(
             scores[i].index_select(0, order).float(), nan=-1e30, posinf=1e30, neginf=-1e30
         )
-        new_scores = cleaned.view(new, g).mean(dim=1)
-        group_scores.append(new_scores)
+        new_scores = group_scores(cleaned, g)
+        new_group_scores.append(new_scores)
         # the slots ``take`` hands out at the commit, in its order
         fresh_slots = torch.tensor(arena.peek(fresh, after=fresh_base), dtype=torch.int64)
         fresh_base += fresh
@@ -122,7 +123,7 @@ def prepare(
         )
         quantize_into(store, index, k_buffer, v_buffer, all_tokens, arena.fmt)
         scratch.append(store)
-    return Demotion(parts, torch.cat(targets), torch.cat(group_scores), scratch)
+    return Demotion(parts, torch.cat(targets), torch.cat(new_group_scores), scratch)
 
 
 def _targets(

@@ -94,6 +94,14 @@ def due_cold_tokens(cadence_tokens: int, policy: TierPolicy | None) -> int:
     return cadence_tokens if policy is None else max(cadence_tokens, policy.group_tokens)
 
 
+def group_scores(token_scores: Tensor, group_tokens: int) -> Tensor:
+    """Each group's score from its tokens' (``[n * G]`` in group order -> ``[n]``): the
+    highest. A group holding one token the scorer ranks high (a needle's code among
+    filler) is worth keeping whole; a mean would dilute it by the group's other
+    tokens. (Chosen on development prompts: docs/quality.md.)"""
+    return token_scores.view(-1, group_tokens).amax(dim=1)
+
+
 def groups_to_drop(group_scores: Tensor, count: int) -> Tensor:
     """int64 indices of the ``count`` groups a full tier gives up: lowest score first
     (higher = keep, as every scorer's), ties to the earlier group (the older one);

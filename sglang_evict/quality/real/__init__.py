@@ -18,7 +18,11 @@ SmolLM2-135M-Instruct
 | frontier_run  | ``eval-tier``: settings, resumable results    | settings -> results.json       |
 | frontier_report | its tables, the frontier plot, the rule     | results.json -> .md, .png      |
 |               | that picks the tier's defaults                |                                |
+| qcache        | the job transformers' quantized cache runs,   | token ids -> peer rows,        |
+|               | its results on the frontier's bytes axis      | fractions                      |
+| qcache_peer   | ``QuantizedCache`` (quanto, HQQ) on the same  | job JSON -> results JSON       |
+|               | ids, the bytes its tensors hold (own venv)    |                                |
 
 Import rule: ``needle`` is pure Python (the kvpress peer builds the same prompts under
-its own ``transformers``); ``kvpress_peer`` imports only ``needle``.
+its own ``transformers``); ``kvpress_peer`` and ``qcache_peer`` import only ``needle``.
 """

@@ -38,30 +38,44 @@ class Candidate:
     bits: int | None = None
     group_tokens: int = 32
     outlier_tokens: int = 0
+    value_group_channels: int = 32
 
     @property
     def name(self) -> str:
         if self.bits is None:
             return f"evict {self.scorer}"
         tail = f" o{self.outlier_tokens}" if self.outlier_tokens else ""
+        if self.value_group_channels != 32:
+            tail += f" V{self.value_group_channels}"
+        if self.scorer != "streaming":
+            tail += f" {self.scorer}"
         return f"tier {self.bits}b G{self.group_tokens}{tail}"
 
     @classmethod
     def parse(cls, text: str, scorer: str = "streaming") -> Candidate:
-        """``evict`` / ``evict:rkv`` or ``BITS:G[:OUTLIERS]`` (``3:32``, ``2:64:3``)."""
+        """``evict`` / ``evict:rkv`` or ``BITS:G[:OUTLIERS[:VALUE_GROUP]][/SCORER]``
+        (``3:32``, ``2:64:3``, ``3:64:0:64`` (values in groups of 64 channels; 32 by
+        default), ``3:64/rkv``: the scorer that picks the groups evicted beyond the
+        tier)."""
         if text == "evict" or text.startswith("evict:"):
             return cls(scorer=text.partition(":")[2] or scorer)
+        text, slash, tier_scorer = text.partition("/")
+        if slash:
+            if not tier_scorer:
+                raise ValueError(f"--candidates {text}/: a scorer after '/' (e.g. 3:64/rkv)")
+            scorer = tier_scorer
         parts = text.split(":")
         try:
             numbers = [int(p) for p in parts]
         except ValueError:
             numbers = []
-        if len(numbers) not in (2, 3):
+        if len(numbers) not in (2, 3, 4):
             raise ValueError(
-                f"--candidates {text!r}: 'evict', 'evict:SCORER' or BITS:GROUP[:OUTLIERS] "
-                f"(e.g. 3:32, 2:64:3)"
+                f"--candidates {text!r}: 'evict', 'evict:SCORER' or "
+                f"BITS:GROUP[:OUTLIERS[:VALUE_GROUP]][/SCORER] (e.g. 3:32, 2:64:3, 3:64/rkv)"
             )
-        return cls(scorer, numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else 0)
+        numbers += [0, 32][len(numbers) - 2 :]
+        return cls(scorer, *numbers)
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,7 @@ def _format(candidate: Candidate, shape: Shape):
         bits=candidate.bits,
         group_tokens=candidate.group_tokens,
         outlier_tokens=candidate.outlier_tokens,
+        value_group_channels=candidate.value_group_channels,
         head_dim=shape.head_dim,
     )
 
@@ -166,6 +181,7 @@ def config_for(
             tier_bits=candidate.bits,
             tier_group_tokens=candidate.group_tokens,
             tier_outlier_tokens=candidate.outlier_tokens,
+            tier_value_group_channels=candidate.value_group_channels,
             tier_max_tokens=spent.tier_tokens,
         )
     return EvictionConfig(**fields)

@@ -77,12 +77,94 @@ def perplexity_table(results: dict) -> list[dict]:
 
 
 def _bits_group_outliers(name: str) -> tuple[int, int, int]:
-    """``tier 3b G32 o3`` -> (3, 32, 3)."""
+    """``tier 3b G32 o3`` (``tier 3b G64 rkv``, ``tier 2b G32 o3 rkv``) -> (3, 32, 3)."""
     parts = name.split()
     bits = int(parts[1].rstrip("b"))
     group = int(parts[2][1:])
-    outliers = int(parts[3][1:]) if len(parts) > 3 else 0
+    outliers = next((int(p[1:]) for p in parts[3:] if p[:1] == "o" and p[1:].isdigit()), 0)
     return bits, group, outliers
+
+
+def peer_tables(results: dict) -> tuple[list[dict], list[dict], list[str]]:
+    """transformers' quantized cache (``results["peers"]``) with the frontier's rows at
+    the fractions it held: needle rows, perplexity rows (each with ``at``: the fraction
+    they are compared at), and the peer's skipped runs."""
+    from sglang_evict.quality.real import qcache
+
+    peer = (results.get("peers") or {}).get("quantized_cache") or {}
+    if peer.get("status") != "ok":
+        return [], [], [peer["reason"]] if peer.get("reason") else []
+    needles, ppl = [], []
+    ours_n = needle_table(results)
+    ours_p = perplexity_table(results)
+    for row in qcache.needle_rows(peer):
+        at = round(row["held_fraction"], 3)
+        if row["candidate"] == "hf-full":
+            continue
+        needles.append({**row, "at": at, "peer": True})
+        needles += [{**r, "at": at} for r in ours_n if r["fraction"] == at]
+    for row in qcache.perplexity_rows(peer):
+        at = round(row["held_fraction"], 3)
+        if row["candidate"] == "hf-full":
+            continue
+        ppl.append({**row, "at": at, "peer": True})
+        ppl += [
+            {**r, "at": at, "held_fraction": r["spent_fraction"]}
+            for r in ours_p
+            if r["fraction"] == at
+        ]
+    skipped = [f"{s['task']} {s['method']}: {s['reason']}" for s in peer.get("skipped", [])]
+    return needles, ppl, skipped
+
+
+def _peer_markdown(results: dict) -> list[str]:
+    needles, ppl, skipped = peer_tables(results)
+    if not (needles or ppl or skipped):
+        return []
+    peer = results["peers"]["quantized_cache"]
+    lines = [
+        "",
+        "## transformers' quantized cache at equal bytes",
+        "",
+        "The peer (`QuantizedCache`, quanto and HQQ backends, groups of 64, a residual of 128 "
+        "full-precision tokens: its defaults) on the same token ids, then the frontier's own "
+        "candidates at exactly the bytes it held. Its perplexity is against its own full "
+        "cache (HF's SDPA attention).",
+    ]
+    if peer.get("versions"):
+        lines.append(
+            "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(peer["versions"].items())) + "."
+        )
+    if needles:
+        kinds = sorted({k for r in needles for k in r["by_kind"]})
+        lines += [
+            "",
+            "| at bytes | method | bytes held | accuracy | " + " | ".join(kinds) + " | prompts |",
+            "| ---: | --- | ---: | ---: | " + " | ".join("---:" for _ in kinds) + " | ---: |",
+        ]
+        for r in needles:
+            per_kind = " | ".join(f"{r['by_kind'].get(k, float('nan')):.2f}" for k in kinds)
+            name = f"**{r['candidate']}**" if r.get("peer") else r["candidate"]
+            lines.append(
+                f"| {r['at']:.3f} | {name} | {r['held_fraction']:.3f} | {r['accuracy']:.2f} | "
+                f"{per_kind} | {r['prompts']} |"
+            )
+    if ppl:
+        lines += [
+            "",
+            "| at bytes | method | bytes held | perplexity | vs full |",
+            "| ---: | --- | ---: | ---: | ---: |",
+        ]
+        for r in ppl:
+            name = f"**{r['candidate']}**" if r.get("peer") else r["candidate"]
+            relative = "" if r["relative"] is None else f"{r['relative']:.3f}"
+            lines.append(
+                f"| {r['at']:.3f} | {name} | {r['held_fraction']:.3f} | "
+                f"{r['perplexity']:.3f} | {relative} |"
+            )
+    if skipped:
+        lines += ["", "The peer could not run:", "", *[f"- {line}" for line in skipped]]
+    return lines
 
 
 def apply_rule(results: dict) -> dict:
@@ -169,6 +251,7 @@ def render_markdown(results: dict) -> str:
     )
     if skipped:
         lines += ["", "Not run (too few bytes):", "", *[f"- {line}" for line in skipped]]
+    lines += _peer_markdown(results)
     rule = apply_rule(results)
     lines += ["", "## The rule (docs/quality.md)", ""]
     if rule["choice"] is None:
@@ -190,6 +273,8 @@ def plot(results: dict, path: Path) -> bool:
     if plt is None:
         return False
     choice = apply_rule(results)["choice"]
+    peer_needles, peer_ppl, _ = peer_tables(results)
+    peer_rows = {False: peer_needles, True: peer_ppl}
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     panels = (
         (left, needle_table(results), "held_fraction", "accuracy", "needles found"),
@@ -210,6 +295,18 @@ def plot(results: dict, path: Path) -> bool:
             else:
                 axis.scatter(row[x_name], row[y_name], color="0.75", s=12)
         axis.scatter([], [], color="0.75", s=12, label="other tier candidates")
+        peers = [r for r in peer_rows[axis is right] if r.get("peer") and r[y_name] is not None]
+        if peers:
+            axis.scatter(
+                [r["held_fraction"] for r in peers],
+                [r[y_name] for r in peers],
+                marker="x",
+                color="tab:red",
+                label="transformers QuantizedCache",
+            )
+            widest = max(widest, *(r["held_fraction"] for r in peers))
+            if axis is right and max(r[y_name] for r in peers) > 2:
+                axis.set_yscale("log")
         for name, points in sorted(lines.items()):
             points.sort()
             style = "o-" if name.startswith("tier") else "s--"

@@ -26,9 +26,12 @@ from sglang_evict.quality.real.frontier import (
 from sglang_evict.real_model import WEIGHTS_NOTE
 
 RESULTS_FORMAT = "sglang-evict/tier-frontier"
-# The rule's candidates (docs/quality.md): bits 2, 3, 4; groups 32, 64, 128; 0 or 3
-# outlier tokens; and eviction's two best scorers on the real model.
-TIER_CANDIDATES = tuple(f"{b}:{g}:{o}" for b in (2, 3, 4) for g in (32, 64, 128) for o in (0, 3))
+# The rule's candidates (docs/quality.md): 2, 3 and 4 bits; groups of 32 and 64; the
+# tier's groups beyond its bound dropped by position (streaming) or by R-KV's scores;
+# and eviction's two best scorers on the real model. (The first measurement, in
+# git history: outlier tokens never helped at 3 or 4 bits, groups of 128 could not hold
+# a 1k prompt at 1/4 of the bytes, 4 bits trailed 3 at 1/4.)
+TIER_CANDIDATES = ("2:32", "2:32/rkv", "3:32", "3:32/rkv", "3:64", "3:64/rkv", "4:32/rkv")
 RULE_CANDIDATES = ("evict:streaming", "evict:rkv", *TIER_CANDIDATES)
 KINDS = ("code7", "code5", "word", "time")
 SINK_TOKENS, WINDOW_TOKENS, PAGE_SIZE = 4, 32, 16
@@ -43,18 +46,25 @@ class FrontierSettings:
     kinds: tuple[str, ...] = KINDS
     contexts: tuple[int, ...] = (1000,)
     depths: tuple[float, ...] = (0.2, 0.5, 0.8)
-    per_depth: int = 1
+    per_depth: int = 2
     max_new_tokens: int = 24
     first_index: int = EVAL_FIRST_INDEX
     ppl_length: int = 1024
     ppl_sequences: int = 1
     ppl: bool = True
+    peers: bool = True  # transformers' quantized cache (``real.qcache``)
+    peer_candidates: tuple[str, ...] = ()  # () : the rule's choice and eviction's best
 
     def __post_init__(self) -> None:
+        from sglang_evict.scorers import SCORERS
         from sglang_evict_kernels.tier_format import TierFormat
 
-        for text in self.candidates:
+        for text in (*self.candidates, *self.peer_candidates):
             candidate = Candidate.parse(text)
+            if candidate.scorer not in SCORERS:
+                raise ValueError(
+                    f"--candidates {text}: scorer {candidate.scorer!r}; known: {sorted(SCORERS)}"
+                )
             if candidate.bits is None:
                 continue
             try:
@@ -62,6 +72,7 @@ class FrontierSettings:
                     bits=candidate.bits,
                     group_tokens=candidate.group_tokens,
                     outlier_tokens=candidate.outlier_tokens,
+                    value_group_channels=candidate.value_group_channels,
                 )
             except ValueError as error:
                 raise ValueError(f"--candidates {text}: {error}") from None
@@ -81,6 +92,7 @@ QUICK = dict(
     depths=(0.5,),
     max_new_tokens=16,
     ppl_length=512,
+    peers=False,
 )
 
 
@@ -96,10 +108,10 @@ def load(path: Path) -> dict:
 def run(model_path: Path, text_path: Path, out: Path, settings: FrontierSettings, *, progress=True):
     """Run (or resume) the frontier into ``out/results.json``; returns the results."""
     import torch
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sglang_evict.quality.real.needle import build_samples, found
+    from sglang_evict.quality.real import perplexity as ppl
+    from sglang_evict.quality.real.needle import build_samples
     from sglang_evict.reference_model import PagedLlama
 
     started = time.perf_counter()
@@ -123,6 +135,80 @@ def run(model_path: Path, text_path: Path, out: Path, settings: FrontierSettings
     )
     candidates = [Candidate.parse(c) for c in settings.candidates]
     runs = [(None, None)] + [(c, f) for c in candidates for f in settings.fractions]
+    _needles(model, tokenizer, shape, samples, runs, settings, results, path, progress)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    sequences = ppl.sequences(ids, settings.ppl_length, settings.ppl_sequences)
+    if settings.ppl:
+        runs = [(None, None)] + [(c, f) for c in candidates for f in settings.fractions]
+        _perplexity(model, shape, sequences, runs, settings, results, path, progress)
+    if settings.peers:
+        peer_inputs = (model_path, samples, sequences)
+        _peers(model, tokenizer, shape, peer_inputs, settings, results, path, progress)
+    results["wall_s"] = round(results.get("wall_s", 0.0) + time.perf_counter() - started, 1)
+    save(results, path)
+    return results
+
+
+def _peers(model, tokenizer, shape, inputs, settings, results, path, progress):
+    """transformers' quantized cache on the same inputs (``real.qcache``), then the
+    frontier's own candidates at exactly the fractions it held."""
+    from sglang_evict.quality.real import perplexity as ppl
+    from sglang_evict.quality.real import qcache
+
+    model_path, samples, sequences = inputs
+    peer = qcache.run(
+        model_path,
+        samples,
+        settings.max_new_tokens,
+        sequences if settings.ppl else [],
+        ppl.PROMPT_TOKENS,
+        path.parent,
+        progress=progress,
+    )
+    results["peers"] = {"quantized_cache": peer}
+    save(results, path)
+    if peer["status"] != "ok":
+        return
+    candidates = [Candidate.parse(c) for c in peer_candidates(settings, results)]
+    at = qcache.fractions(qcache.needle_rows(peer))
+    runs = [(c, f) for c in candidates for f in at]
+    _needles(model, tokenizer, shape, samples, runs, settings, results, path, progress)
+    if settings.ppl:
+        at = qcache.fractions(qcache.perplexity_rows(peer))
+        runs = [(c, f) for c in candidates for f in at]
+        _perplexity(model, shape, sequences, runs, settings, results, path, progress)
+
+
+def peer_candidates(settings: FrontierSettings, results: dict) -> tuple[str, ...]:
+    """What runs at the peer's fractions: ``settings.peer_candidates``, or the rule's
+    choice and eviction's most accurate candidate at the rule's fraction."""
+    from sglang_evict.quality.real.frontier_report import RULE_FRACTION, apply_rule, needle_table
+
+    if settings.peer_candidates:
+        return settings.peer_candidates
+    by_name = {Candidate.parse(c).name: c for c in settings.candidates}
+    chosen = []
+    choice = apply_rule(results)["choice"]
+    if choice in by_name:
+        chosen.append(by_name[choice])
+    evictions = [
+        r
+        for r in needle_table(results)
+        if r["fraction"] == RULE_FRACTION and r["candidate"].startswith("evict")
+    ]
+    if evictions:
+        best = max(evictions, key=lambda r: r["accuracy"])["candidate"]
+        chosen.append(by_name.get(best, f"evict:{best.split()[-1]}"))
+    return tuple(chosen)
+
+
+def _needles(model, tokenizer, shape, samples, runs, settings, results, path, progress):
+    """Every ``(candidate, fraction)`` of ``runs`` on every sample not answered yet
+    (``candidate`` None: the full cache)."""
+    from tqdm import tqdm
+
+    from sglang_evict.quality.real.needle import found
+
     todo = [
         (s, c, f)
         for s in samples
@@ -185,11 +271,6 @@ def run(model_path: Path, text_path: Path, out: Path, settings: FrontierSettings
             bar.update(1)
     finally:
         bar.close()
-    if settings.ppl:
-        _perplexity(model, tokenizer, text, shape, candidates, settings, results, path, progress)
-    results["wall_s"] = round(results.get("wall_s", 0.0) + time.perf_counter() - started, 1)
-    save(results, path)
-    return results
 
 
 def _config(candidate: Candidate, spent, cadence_tokens: int = 64, evict_prompt: bool = True):
@@ -211,17 +292,15 @@ def _needle_key(sample, candidate: Candidate | None, fraction: float | None, set
     return f"{sample.key}|{name}|{fraction}|{settings.max_new_tokens}"
 
 
-def _perplexity(model, tokenizer, text, shape, candidates, settings, results, path, progress):
-    """Decode-time perplexity (``quality.real.perplexity``'s protocol) at each fraction
-    of the sequence's length, the tier's bound and budget from ``spend`` over the whole
-    sequence: at its end the request holds the fraction's bytes."""
+def _perplexity(model, shape, sequences, runs, settings, results, path, progress):
+    """Decode-time perplexity (``quality.real.perplexity``'s protocol) for every
+    ``(candidate, fraction)`` of ``runs`` not measured yet, the tier's bound and budget
+    from ``spend`` over the whole sequence: at its end the request holds the fraction's
+    bytes."""
     from tqdm import tqdm
 
     from sglang_evict.quality.real import perplexity as ppl
 
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    sequences = ppl.sequences(ids, settings.ppl_length, settings.ppl_sequences)
-    runs = [(None, None)] + [(c, f) for c in candidates for f in settings.fractions]
     todo = [(c, f) for c, f in runs if _ppl_key(c, f, settings) not in results["perplexity"]]
     bar = tqdm(total=len(todo), desc="perplexity", unit="run", disable=not progress)
     # The prompt (16 tokens) is protected; the window and sinks as in the needle task.
