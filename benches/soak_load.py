@@ -210,7 +210,9 @@ class Load:
         expect = None
         if kind == "bad":
             policy, expect = rng.choice(BAD_POLICIES)
-            kind = rng.choice(("generate", "completions"))
+            # sglang-router drops /generate's custom_params (docs/serving.md): behind it
+            # a bad policy goes where clients are told to send policies, the OpenAI route.
+            kind = "completions" if self.s.replicas > 1 else rng.choice(("generate", "completions"))
         custom = {"custom_params": {"sglang_evict": policy}} if policy != {} else {}
         if kind == "generate":
             stream = rng.random() < 0.5

@@ -5,6 +5,7 @@ the replay of greedy requests."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import shutil
 import signal
@@ -293,5 +294,8 @@ def replay(url: str, done: list[dict], count: int, rng: random.Random) -> list[d
 async def kill_replica(stack: Stack, after_s: float, phase: Phase, monitor: Monitor) -> None:
     await asyncio.sleep(after_s)
     victim = stack.replicas[-1]
-    victim.process.send_signal(signal.SIGKILL)
+    # The whole replica at once (its scheduler and detokenizer too), as a node or
+    # container dies: SIGKILL to its process group.
+    os.killpg(victim.process.pid, signal.SIGKILL)
+    victim.process.wait(timeout=30)
     phase.faults.append({"t_s": monitor.elapsed(), "what": f"SIGKILL replica {victim.url}"})

@@ -48,3 +48,47 @@ def test_the_short_soak_holds_every_invariant_under_faults(tmp_path):
     assert phases["faults"]["metrics"]["passes_total"] > phases["load"]["metrics"]["passes_total"]
     assert report["replay"] and all(r["equal"] for r in report["replay"])
     assert (tmp_path / "soak.png").stat().st_size > 0
+
+
+def _soak_module():
+    sys.path.insert(0, str(BENCHES))
+    import soak
+
+    return soak
+
+
+def _phase(name: str, **overrides) -> dict:
+    replica = {"replica": 0, "alive": True, "idle_check_ran": True, "tracked_requests": 0,
+               "leak_in_log": False, "traceback_in_log": False}  # fmt: skip
+    phase = {"name": name, "completed": 5, "5xx": [], "unexpected_4xx": [], "never_ended": 0,
+             "client_errors": [], "idle": {"replicas": [replica], "rss_mib": 100.0}}  # fmt: skip
+    phase.update(overrides)
+    return phase
+
+
+def test_every_broken_invariant_is_a_violation_and_a_clean_run_has_none():
+    soak = _soak_module()
+    settings = soak.Settings(max_rss_growth=0.05)
+    clean = {"phases": [_phase("warm-up"), _phase("load")], "replay": [{"equal": True}],
+             "rss_growth_after_warmup": 0.01}  # fmt: skip
+    assert soak.violations(clean, settings) == []
+    leaked = dict(_phase("load")["idle"]["replicas"][0], tracked_requests=2)
+    broken = {
+        "phases": [
+            _phase("warm-up", **{"5xx": ["500 /generate: boom"]}),
+            _phase("load", never_ended=1, idle={"replicas": [leaked], "rss_mib": 1.0}),
+            _phase("faults", unexpected_4xx=["400 /generate: accepted scorer"]),
+        ],
+        "replay": [{"equal": False}],
+        "rss_growth_after_warmup": 0.2,
+    }
+    found = "\n".join(soak.violations(broken, settings))
+    for words in ("5xx", "never ended", "not idle and clean", "unexpected 4xx",
+                  "other tokens", "RSS grew"):  # fmt: skip
+        assert words in found
+    # A replica killed behind the router: its requests' errors are what clients see.
+    killed = {"phases": [_phase("faults", **{"5xx": ["502 /v1/completions"]},
+                                client_errors=["ClientPayloadError"])],
+              "replay": [], "rss_growth_after_warmup": 0.0}  # fmt: skip
+    assert soak.violations(killed, soak.Settings(replicas=2, kill_replica=True)) == []
+    assert soak.violations(killed, soak.Settings())  # not without the kill
