@@ -262,19 +262,19 @@ def test_the_peer_sits_beside_the_frontier_at_the_bytes_it_held(tmp_path):
     from sglang_evict.quality.real import qcache
 
     peer = fake_peer({"hf-full": 1.0, "hf-quanto 2b G64": 0.1571, "hf-quanto 4b G64": 0.2812})
-    assert qcache.fractions(qcache.needle_rows(peer)) == [0.157, 0.281]
+    assert qcache.fractions(qcache.needle_rows(peer)) == [0.15, 0.28]
     results = fake_results(
         {"full": ({"code7": [True] * 4}, 10.0), "tier 3b G64": ({"code7": [True] * 4}, 10.0)}
     )
     for key, row in list(results["needle"].items()):  # the tier again at the peer's bytes
         if row["candidate"] != "full":
-            results["needle"][key + "|peer"] = {**row, "fraction": 0.157, "held_fraction": 0.15}
+            results["needle"][key + "|peer"] = {**row, "fraction": 0.15, "held_fraction": 0.149}
     results["peers"] = {"quantized_cache": peer}
     needles, ppl, skipped = frontier_report.peer_tables(results)
     assert [(r["candidate"], r["at"]) for r in needles] == [
-        ("hf-quanto 2b G64", 0.157),
-        ("tier 3b G64", 0.157),
-        ("hf-quanto 4b G64", 0.281),
+        ("hf-quanto 2b G64", 0.15),
+        ("tier 3b G64", 0.15),
+        ("hf-quanto 4b G64", 0.28),
     ]
     assert needles[0]["accuracy"] == 0.5 and needles[1]["accuracy"] == 1.0
     assert [r["candidate"] for r in ppl] == ["hf-quanto 2b G64", "hf-quanto 4b G64"]
@@ -283,8 +283,8 @@ def test_the_peer_sits_beside_the_frontier_at_the_bytes_it_held(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(results))
     md, png = frontier_report.render(tmp_path)
     text = md.read_text()
-    assert "| 0.157 | **hf-quanto 2b G64** | 0.157 | 0.50 |" in text
-    assert "| 0.157 | tier 3b G64 | 0.150 | 1.00 |" in text
+    assert "| 0.15 | **hf-quanto 2b G64** | 0.157 | 0.50 |" in text
+    assert "| 0.15 | tier 3b G64 | 0.149 | 1.00 |" in text
     assert "hf-hqq 3b G64: RuntimeError" in text
     assert png is None or png.stat().st_size > 1000
 

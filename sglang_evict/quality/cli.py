@@ -498,7 +498,7 @@ def add_quality_commands(commands) -> None:
     tier.add_argument(
         "--peer-candidates",
         default=None,
-        help="what runs at the peer's bytes (default: the rule's choice and eviction's best)",
+        help="what runs at the peer's bytes (default: the rule's choice)",
     )
     tier.add_argument(
         "--first-index", type=int, default=None, help="first needle index (1000: evaluation)"

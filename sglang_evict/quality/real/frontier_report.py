@@ -98,13 +98,13 @@ def peer_tables(results: dict) -> tuple[list[dict], list[dict], list[str]]:
     ours_n = needle_table(results)
     ours_p = perplexity_table(results)
     for row in qcache.needle_rows(peer):
-        at = round(row["held_fraction"], 3)
+        at = qcache.at_bytes(row["held_fraction"])
         if row["candidate"] == "hf-full":
             continue
         needles.append({**row, "at": at, "peer": True})
         needles += [{**r, "at": at} for r in ours_n if r["fraction"] == at]
     for row in qcache.perplexity_rows(peer):
-        at = round(row["held_fraction"], 3)
+        at = qcache.at_bytes(row["held_fraction"])
         if row["candidate"] == "hf-full":
             continue
         ppl.append({**row, "at": at, "peer": True})
@@ -129,7 +129,8 @@ def _peer_markdown(results: dict) -> list[str]:
         "The peer (`QuantizedCache`, quanto and HQQ backends, groups of 64, a residual of 128 "
         "full-precision tokens: its defaults) on the same token ids, then the frontier's own "
         "candidates at exactly the bytes it held. Its perplexity is against its own full "
-        "cache (HF's SDPA attention).",
+        "cache (HF's SDPA attention). *at bytes*: the peer's bytes rounded down to 0.01, "
+        "where the frontier's candidates ran.",
     ]
     if peer.get("versions"):
         lines.append(
@@ -146,7 +147,7 @@ def _peer_markdown(results: dict) -> list[str]:
             per_kind = " | ".join(f"{r['by_kind'].get(k, float('nan')):.2f}" for k in kinds)
             name = f"**{r['candidate']}**" if r.get("peer") else r["candidate"]
             lines.append(
-                f"| {r['at']:.3f} | {name} | {r['held_fraction']:.3f} | {r['accuracy']:.2f} | "
+                f"| {r['at']:.2f} | {name} | {r['held_fraction']:.3f} | {r['accuracy']:.2f} | "
                 f"{per_kind} | {r['prompts']} |"
             )
     if ppl:
@@ -159,7 +160,7 @@ def _peer_markdown(results: dict) -> list[str]:
             name = f"**{r['candidate']}**" if r.get("peer") else r["candidate"]
             relative = "" if r["relative"] is None else f"{r['relative']:.3f}"
             lines.append(
-                f"| {r['at']:.3f} | {name} | {r['held_fraction']:.3f} | "
+                f"| {r['at']:.2f} | {name} | {r['held_fraction']:.3f} | "
                 f"{r['perplexity']:.3f} | {relative} |"
             )
     if skipped:

@@ -53,7 +53,7 @@ class FrontierSettings:
     ppl_sequences: int = 1
     ppl: bool = True
     peers: bool = True  # transformers' quantized cache (``real.qcache``)
-    peer_candidates: tuple[str, ...] = ()  # () : the rule's choice and eviction's best
+    peer_candidates: tuple[str, ...] = ()  # (): the rule's choice
 
     def __post_init__(self) -> None:
         from sglang_evict.scorers import SCORERS
@@ -181,25 +181,15 @@ def _peers(model, tokenizer, shape, inputs, settings, results, path, progress):
 
 def peer_candidates(settings: FrontierSettings, results: dict) -> tuple[str, ...]:
     """What runs at the peer's fractions: ``settings.peer_candidates``, or the rule's
-    choice and eviction's most accurate candidate at the rule's fraction."""
-    from sglang_evict.quality.real.frontier_report import RULE_FRACTION, apply_rule, needle_table
+    choice (the tier a server would run; eviction's figures at other bytes are on the
+    frontier's lines)."""
+    from sglang_evict.quality.real.frontier_report import apply_rule
 
     if settings.peer_candidates:
         return settings.peer_candidates
     by_name = {Candidate.parse(c).name: c for c in settings.candidates}
-    chosen = []
     choice = apply_rule(results)["choice"]
-    if choice in by_name:
-        chosen.append(by_name[choice])
-    evictions = [
-        r
-        for r in needle_table(results)
-        if r["fraction"] == RULE_FRACTION and r["candidate"].startswith("evict")
-    ]
-    if evictions:
-        best = max(evictions, key=lambda r: r["accuracy"])["candidate"]
-        chosen.append(by_name.get(best, f"evict:{best.split()[-1]}"))
-    return tuple(chosen)
+    return (by_name[choice],) if choice in by_name else ()
 
 
 def _needles(model, tokenizer, shape, samples, runs, settings, results, path, progress):

@@ -5,13 +5,14 @@ its results as rows on the frontier's bytes axis.
 
 The peer lands where its format puts it (2 bits in groups of 64 near 0.16 of the
 bytes, 4 bits near 0.28); ``frontier_run`` then runs the frontier's own candidates at
-exactly those fractions, so every peer point has the tier and eviction beside it at
-equal bytes.
+those fractions (rounded down to 0.01: never more bytes than the peer), so every peer
+point has the tier beside it at equal bytes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -118,8 +119,12 @@ def perplexity_rows(peer: dict) -> list[dict]:
     ]
 
 
+def at_bytes(held_fraction: float) -> float:
+    """The fraction the frontier's candidates run at beside a peer row: its bytes
+    rounded down to 0.01, so they never hold more than the peer."""
+    return math.floor(held_fraction * 100 + 1e-9) / 100
+
+
 def fractions(rows: list[dict]) -> list[float]:
-    """The distinct fractions (3 decimals) the peer's quantized methods held."""
-    return sorted(
-        {round(r["held_fraction"], 3) for r in rows if r["candidate"] != "hf-full"} - {1.0}
-    )
+    """The distinct fractions (``at_bytes``) the peer's quantized methods held."""
+    return sorted({at_bytes(r["held_fraction"]) for r in rows if r["candidate"] != "hf-full"})
