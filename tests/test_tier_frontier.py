@@ -341,3 +341,46 @@ def test_the_quantized_cache_peer_on_the_real_model(tmp_path, real_model, real_t
     assert needles["hf-quanto 2b G64"]["held_fraction"] == pytest.approx(expected, abs=0.002)
     ppl = {r["candidate"]: r for r in qcache.perplexity_rows(peer)}
     assert ppl["hf-full"]["relative"] == 1.0 and ppl["hf-quanto 2b G64"]["perplexity"] > 1.0
+
+
+def needle_entry(method, budget, rows):
+    return {"task": "needle", "method": method, "budget": budget, "rows": rows}
+
+
+def ppl_entry(method, budget, perplexity):
+    return {"task": "perplexity", "method": method, "budget": budget, "perplexity": perplexity}
+
+
+def test_kvpress_presses_sit_on_the_frontier_at_the_bytes_they_keep(tmp_path):
+    results = fake_results({"full": ({"code7": [True] * 4, "word": [True] * 4}, 10.0)})
+    for row in results["needle"].values():
+        row["prompt_tokens"] = 1000
+    rows = [
+        {"key": f"{kind}-{i}", "found": kind == "word", "kept_tokens": 250}
+        for kind in ("code7", "word")
+        for i in range(4)
+    ]
+    results["settings"] = {"ppl_length": 1024}
+    results["peers"] = {
+        "kvpress": {
+            "status": "ok",
+            "entries": [
+                needle_entry("kvpress:none", 1.0, rows),
+                needle_entry("kvpress:KeyDiffPress", 0.25, rows),
+                ppl_entry("kvpress:none", None, 10.0),
+                ppl_entry("kvpress:TOVAPress", 256, 11.0),
+            ],
+        }
+    }
+    needles, ppl, reason = frontier_report.kvpress_tables(results)
+    assert reason is None
+    (row,) = needles
+    assert row["candidate"] == "kvpress:KeyDiffPress" and row["held_fraction"] == 0.25
+    assert row["by_kind"] == {"code7": 0.0, "word": 1.0} and row["accuracy"] == 0.5
+    (line,) = ppl
+    assert line["held_fraction"] == 0.25 and line["relative"] == pytest.approx(1.1)
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    md, _ = frontier_report.render(tmp_path)
+    text = md.read_text()
+    assert "| kvpress:KeyDiffPress | 0.250 | 0.50 | 0.00 | 1.00 | 8 |" in text
+    assert "| kvpress:TOVAPress | 0.250 | 11.000 | 1.100 |" in text

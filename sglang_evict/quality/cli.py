@@ -323,6 +323,8 @@ def _eval_tier(args: argparse.Namespace) -> int:
         base["ppl"] = False
     if args.peers is not None:
         base["peers"] = args.peers
+    if args.kvpress is not None:
+        base["kvpress"] = args.kvpress
     settings = dataclasses.replace(frontier.FrontierSettings(), **base)
     from sglang_evict.quality.real.needle import KINDS
 
@@ -334,7 +336,8 @@ def _eval_tier(args: argparse.Namespace) -> int:
         f"eval-tier: {model} ({frontier.WEIGHTS_NOTE}); {len(settings.candidates)} "
         f"candidates at KV bytes {list(settings.fractions)}; needles {list(settings.kinds)}; "
         f"perplexity {'on' if settings.ppl else 'off'}; transformers' quantized cache "
-        f"{'on' if settings.peers else 'off'}; results in {out} (resumed when present)"
+        f"{'on' if settings.peers else 'off'}; kvpress {'on' if settings.kvpress else 'off'}; "
+        f"results in {out} (resumed when present)"
     )
     start = time.perf_counter()
     frontier.run(model, text, out, settings, progress=not args.no_progress)
@@ -494,6 +497,13 @@ def add_quality_commands(commands) -> None:
         default=None,
         help="also run transformers' QuantizedCache (quanto, HQQ) in its own environment, "
         "then the frontier's candidates at the bytes it held (default: on; off with --quick)",
+    )
+    tier.add_argument(
+        "--kvpress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run kvpress's presses on the same prompts at the same fractions, in "
+        "kvpress's own environment (default: on; off with --quick)",
     )
     tier.add_argument(
         "--peer-candidates",

@@ -117,6 +117,92 @@ def peer_tables(results: dict) -> tuple[list[dict], list[dict], list[str]]:
     return needles, ppl, skipped
 
 
+def kvpress_tables(results: dict) -> tuple[list[dict], list[dict], str | None]:
+    """kvpress's presses (``results["peers"]["kvpress"]``) as frontier rows: needle rows
+    (accuracy per kind; bytes held = tokens kept / prompt tokens, every kept token in
+    bfloat16), perplexity rows (relative to kvpress's own full cache); or why it did
+    not run."""
+    peer = (results.get("peers") or {}).get("kvpress") or {}
+    if peer.get("status") != "ok":
+        return [], [], peer.get("reason")
+    samples = {r["sample"]: r for r in (results.get("needle") or {}).values() if "kind" in r}
+    needles = []
+    for entry in peer.get("entries", []):
+        if entry["task"] != "needle" or entry["method"] == "kvpress:none":
+            continue
+        rows = [r for r in entry["rows"] if r["key"] in samples]
+        if not rows:
+            continue
+        by_kind = defaultdict(list)
+        for row in rows:
+            by_kind[samples[row["key"]]["kind"]].append(row["found"])
+        held = [r["kept_tokens"] / samples[r["key"]].get("prompt_tokens", 1) for r in rows]
+        needles.append(
+            {
+                "candidate": entry["method"],
+                "fraction": entry["budget"],
+                "accuracy": sum(r["found"] for r in rows) / len(rows),
+                "by_kind": {k: sum(v) / len(v) for k, v in sorted(by_kind.items())},
+                "held_fraction": sum(held) / len(held),
+                "prompts": len(rows),
+            }
+        )
+    entries = [e for e in peer.get("entries", []) if e["task"] == "perplexity"]
+    full = next((e["perplexity"] for e in entries if e["method"] == "kvpress:none"), None)
+    length = (results.get("settings") or {}).get("ppl_length") or 1
+    ppl = [
+        {
+            "candidate": e["method"],
+            "held_fraction": e["budget"] / length,
+            "perplexity": e["perplexity"],
+            "relative": None if full is None else e["perplexity"] / full,
+        }
+        for e in entries
+        if e["method"] != "kvpress:none"
+    ]
+    key = lambda r: (r["held_fraction"], r["candidate"])  # noqa: E731
+    return sorted(needles, key=key), sorted(ppl, key=key), None
+
+
+def _kvpress_markdown(results: dict) -> list[str]:
+    needles, ppl, reason = kvpress_tables(results)
+    if reason:
+        return ["", "## kvpress at the same bytes", "", f"Not run: {reason}"]
+    if not (needles or ppl):
+        return []
+    lines = [
+        "",
+        "## kvpress at the same bytes",
+        "",
+        "kvpress's presses on the same token ids (its own environment): a press keeping a "
+        "fraction of the tokens in bfloat16 holds that fraction of the bytes. Needles: the "
+        "prompt compressed at the end of its prefill; perplexity: `DecodingPress` every 32 "
+        "steps. Perplexity against kvpress's own full cache.",
+    ]
+    if needles:
+        kinds = sorted({k for r in needles for k in r["by_kind"]})
+        lines += [
+            "",
+            "| press | bytes held | accuracy | " + " | ".join(kinds) + " | prompts |",
+            "| --- | ---: | ---: | " + " | ".join("---:" for _ in kinds) + " | ---: |",
+        ]
+        for r in needles:
+            per_kind = " | ".join(f"{r['by_kind'].get(k, float('nan')):.2f}" for k in kinds)
+            lines.append(
+                f"| {r['candidate']} | {r['held_fraction']:.3f} | {r['accuracy']:.2f} | "
+                f"{per_kind} | {r['prompts']} |"
+            )
+    if ppl:
+        lines += ["", "| press | bytes | perplexity | vs full |", "| --- | ---: | ---: | ---: |"]
+        for r in ppl:
+            relative = "" if r["relative"] is None else f"{r['relative']:.3f}"
+            lines.append(
+                f"| {r['candidate']} | {r['held_fraction']:.3f} | {r['perplexity']:.3f} | "
+                f"{relative} |"
+            )
+    return lines
+
+
 def _peer_markdown(results: dict) -> list[str]:
     needles, ppl, skipped = peer_tables(results)
     if not (needles or ppl or skipped):
@@ -253,6 +339,7 @@ def render_markdown(results: dict) -> str:
     if skipped:
         lines += ["", "Not run (too few bytes):", "", *[f"- {line}" for line in skipped]]
     lines += _peer_markdown(results)
+    lines += _kvpress_markdown(results)
     rule = apply_rule(results)
     lines += ["", "## The rule (docs/quality.md)", ""]
     if rule["choice"] is None:
@@ -276,6 +363,8 @@ def plot(results: dict, path: Path) -> bool:
     choice = apply_rule(results)["choice"]
     peer_needles, peer_ppl, _ = peer_tables(results)
     peer_rows = {False: peer_needles, True: peer_ppl}
+    kv_needles, kv_ppl, _ = kvpress_tables(results)
+    kvpress_rows = {False: kv_needles, True: kv_ppl}
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     panels = (
         (left, needle_table(results), "held_fraction", "accuracy", "needles found"),
@@ -306,8 +395,18 @@ def plot(results: dict, path: Path) -> bool:
                 label="transformers QuantizedCache",
             )
             widest = max(widest, *(r["held_fraction"] for r in peers))
-            if axis is right and max(r[y_name] for r in peers) > 2:
-                axis.set_yscale("log")
+        presses = [r for r in kvpress_rows[axis is right] if r[y_name] is not None]
+        if presses:
+            axis.scatter(
+                [r["held_fraction"] for r in presses],
+                [r[y_name] for r in presses],
+                marker="^",
+                color="tab:purple",
+                s=18,
+                label="kvpress presses",
+            )
+        if axis is right and max((r[y_name] for r in peers), default=0) > 2:
+            axis.set_yscale("log")
         for name, points in sorted(lines.items()):
             points.sort()
             style = "o-" if name.startswith("tier") else "s--"

@@ -14,6 +14,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from sglang_evict.quality.real.evaluation import save_results as save
 from sglang_evict.quality.real.frontier import (
@@ -34,6 +35,11 @@ RESULTS_FORMAT = "sglang-evict/tier-frontier"
 TIER_CANDIDATES = ("2:32", "2:32/rkv", "3:32", "3:32/rkv", "3:64", "3:64/rkv", "4:32/rkv")
 RULE_CANDIDATES = ("evict:streaming", "evict:rkv", *TIER_CANDIDATES)
 KINDS = ("code7", "code5", "word", "time")
+# kvpress's presses on the frontier's prompts: the two that found needles at 1/4 in
+# eval-real (KeyDiff, StreamingLLM) and SnapKV (the observation-window classic); on the
+# perplexity sequence the two best decoding presses there.
+KVPRESS_NEEDLE_PRESSES = ("KeyDiffPress", "StreamingLLMPress", "SnapKVPress")
+KVPRESS_DECODING_PRESSES = ("TOVAPress", "ExpectedAttentionPress")
 SINK_TOKENS, WINDOW_TOKENS, PAGE_SIZE = 4, 32, 16
 # The evaluation's prompts (development and the tests use lower indexes).
 EVAL_FIRST_INDEX = 1000
@@ -54,6 +60,9 @@ class FrontierSettings:
     ppl: bool = True
     peers: bool = True  # transformers' quantized cache (``real.qcache``)
     peer_candidates: tuple[str, ...] = ()  # (): the rule's choice
+    kvpress: bool = True  # kvpress's presses at the frontier's fractions (``_kvpress``)
+    kvpress_presses: tuple[str, ...] = KVPRESS_NEEDLE_PRESSES
+    kvpress_decoding: tuple[str, ...] = KVPRESS_DECODING_PRESSES
 
     def __post_init__(self) -> None:
         from sglang_evict.scorers import SCORERS
@@ -93,6 +102,7 @@ QUICK = dict(
     max_new_tokens=16,
     ppl_length=512,
     peers=False,
+    kvpress=False,
 )
 
 
@@ -144,6 +154,8 @@ def run(model_path: Path, text_path: Path, out: Path, settings: FrontierSettings
     if settings.peers:
         peer_inputs = (model_path, samples, sequences)
         _peers(model, tokenizer, shape, peer_inputs, settings, results, path, progress)
+    if settings.kvpress:
+        _kvpress(model_path, samples, sequences, settings, results, path, progress)
     results["wall_s"] = round(results.get("wall_s", 0.0) + time.perf_counter() - started, 1)
     save(results, path)
     return results
@@ -177,6 +189,52 @@ def _peers(model, tokenizer, shape, inputs, settings, results, path, progress):
         at = qcache.fractions(qcache.perplexity_rows(peer))
         runs = [(c, f) for c in candidates for f in at]
         _perplexity(model, shape, sequences, runs, settings, results, path, progress)
+
+
+def _kvpress(model_path, samples, sequences, settings, results, path, progress):
+    """kvpress's presses on the same token ids at the frontier's fractions, in kvpress's
+    own environment (``quality.kvpress_bridge``): a press keeping ``f`` of the tokens in
+    bfloat16 holds ``f`` of the bytes. Needles: the prompt compressed at the end of its
+    prefill, then ``max_new_tokens`` decoded; perplexity: ``DecodingPress`` cutting the
+    cache to ``f`` of the sequence every 32 steps (the frontier's cadence)."""
+    from sglang_evict.quality import kvpress_bridge
+    from sglang_evict.quality.real import perplexity as ppl
+    from sglang_evict.quality.real.kvpress import PEER_MODULE, write_job
+
+    job_settings = SimpleNamespace(
+        kvpress_fractions=settings.fractions,
+        ppl_budgets=[int(f * settings.ppl_length) for f in settings.fractions],
+    )
+    out = path.parent
+    try:
+        venv = kvpress_bridge.default_venv()
+        if progress:
+            print(f"kvpress: environment {venv} (created if missing)")
+        versions = kvpress_bridge.ensure_venv(venv, create=True)
+        job_path = write_job(
+            out / "kvpress_job.json",
+            model_path,
+            job_settings,
+            samples,
+            sequences if settings.ppl else [],
+        )
+        job = json.loads(job_path.read_text())
+        job["needle"]["presses"] = list(settings.kvpress_presses)
+        job["needle"]["max_new_tokens"] = settings.max_new_tokens
+        if "perplexity" in job:
+            job["perplexity"]["presses"] = list(settings.kvpress_decoding)
+            job["perplexity"]["cadence_tokens"] = 32
+            job["perplexity"]["prompt_tokens"] = ppl.PROMPT_TOKENS
+        job_path.write_text(json.dumps(job) + "\n")
+        peer = kvpress_bridge.run_peer(
+            venv, job_path, out / "kvpress_results.json", module=PEER_MODULE, progress=progress
+        )
+        record = {"status": "ok", **peer, "versions": peer["versions"] | versions}
+    except kvpress_bridge.KVPressUnavailable as error:
+        print(f"kvpress: not run: {error}")
+        record = {"status": "not run", "reason": str(error)}
+    results.setdefault("peers", {})["kvpress"] = record
+    save(results, path)
 
 
 def peer_candidates(settings: FrontierSettings, results: dict) -> tuple[str, ...]:
