@@ -107,6 +107,11 @@ class Phase:
         }
 
 
+def names(message: str, field_name: str) -> bool:
+    """A refusal names the per-request policy and the field at fault."""
+    return "custom_params.sglang_evict" in message and field_name in message
+
+
 def random_policy(rng: random.Random, s: Settings) -> dict:
     """A valid per-request policy: only lowers what the server allows (docs/serving.md)."""
     floor = 4 + s.window_tokens + 1  # sinks + window + 1
@@ -153,7 +158,7 @@ class Load:
                         return
                     if reply.status >= 400:
                         text = await reply.text()
-                        if expect is not None and expect in text:
+                        if expect is not None and names(text, expect):
                             phase.expected_4xx[expect] += 1
                         else:
                             phase.unexpected_4xx.append(f"{reply.status} {path}: {text}"[:300])
@@ -182,7 +187,7 @@ class Load:
                             # A streamed /generate is refused in its first event: SGLang
                             # sends the 200 header before the request is validated.
                             text = line.decode(errors="replace")
-                            if expect is not None and len(tokens) == 1 and expect in text:
+                            if expect is not None and len(tokens) == 1 and names(text, expect):
                                 phase.expected_4xx[expect] += 1
                             elif expect is not None:
                                 phase.unexpected_4xx.append(f"{path}: {text}"[:300])
