@@ -215,8 +215,10 @@ def _peer_markdown(results: dict) -> list[str]:
         "The peer (`QuantizedCache`, quanto and HQQ backends, groups of 64, a residual of 128 "
         "full-precision tokens: its defaults) on the same token ids, then the frontier's own "
         "candidates at exactly the bytes it held. Its perplexity is against its own full "
-        "cache (HF's SDPA attention). *at bytes*: the peer's bytes rounded down to 0.01, "
-        "where the frontier's candidates ran.",
+        "cache (HF's SDPA attention). Its bytes are read off its tensors where the frontier "
+        "reads its own: right after the prompt (needles), at the sequence's end "
+        "(perplexity). *at bytes*: the peer's bytes rounded down to 0.01, where the "
+        "frontier's candidates ran.",
     ]
     if peer.get("versions"):
         lines.append(
