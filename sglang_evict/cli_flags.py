@@ -110,7 +110,7 @@ def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None
         help="2, 3, 4 or 8: the tier's bits per element (default: no tier)",
     )
     tier.add_argument(
-        "--kv-tier-group", type=int, default=64, metavar="G", help="tokens quantized together"
+        "--kv-tier-group", type=int, default=32, metavar="G", help="tokens quantized together"
     )
     tier.add_argument(
         "--kv-tier-value-group",

@@ -183,7 +183,7 @@ class EvictionConfig:
     pass_cuda_graph: bool | None = None
     pass_graph_pool_mib: int = DEFAULT_PASS_GRAPH_POOL_MIB
     tier_bits: int | None = None
-    tier_group_tokens: int = 64  # the rule's choice (docs/quality.md)
+    tier_group_tokens: int = 32  # the rule's choice (docs/quality.md)
     tier_value_group_channels: int = 32
     tier_outlier_tokens: int = 0
     tier_max_tokens: int = 4096

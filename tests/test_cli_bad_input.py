@@ -280,7 +280,7 @@ CASES = [
      "--kv-tier-group 24: a power of two of at least 8", {}),
     ("tier bound", ["serve", "--kv-budget", "256", "--kv-tier-bits", "3", "--kv-tier-tokens",
                     "16", "--", "--model-path", "x"],
-     "--kv-tier-tokens 16: the tier holds whole groups of 64 tokens", {}),
+     "--kv-tier-tokens 16: the tier holds whole groups of 32 tokens", {}),
     ("tier in serve", ["serve", "--kv-budget", "256", "--kv-tier-bits", "3", "--", "--model-path",
                        "x"],
      "--kv-tier-bits: the quantized tier runs in the paged reference path so far", {}),
