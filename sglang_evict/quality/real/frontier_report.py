@@ -94,25 +94,16 @@ def peer_tables(results: dict) -> tuple[list[dict], list[dict], list[str]]:
     peer = (results.get("peers") or {}).get("quantized_cache") or {}
     if peer.get("status") != "ok":
         return [], [], [peer["reason"]] if peer.get("reason") else []
-    needles, ppl = [], []
-    ours_n = needle_table(results)
-    ours_p = perplexity_table(results)
-    for row in qcache.needle_rows(peer):
-        at = qcache.at_bytes(row["held_fraction"])
-        if row["candidate"] == "hf-full":
-            continue
-        needles.append({**row, "at": at, "peer": True})
-        needles += [{**r, "at": at} for r in ours_n if r["fraction"] == at]
-    for row in qcache.perplexity_rows(peer):
-        at = qcache.at_bytes(row["held_fraction"])
-        if row["candidate"] == "hf-full":
-            continue
-        ppl.append({**row, "at": at, "peer": True})
-        ppl += [
-            {**r, "at": at, "held_fraction": r["spent_fraction"]}
-            for r in ours_p
-            if r["fraction"] == at
-        ]
+    needles = _beside(
+        [r for r in qcache.needle_rows(peer) if r["candidate"] != "hf-full"],
+        needle_table(results),
+        lambda r: r,
+    )
+    ppl = _beside(
+        [r for r in qcache.perplexity_rows(peer) if r["candidate"] != "hf-full"],
+        perplexity_table(results),
+        lambda r: {**r, "held_fraction": r["spent_fraction"]},
+    )
     skipped = [f"{s['task']} {s['method']}: {s['reason']}" for s in peer.get("skipped", [])]
     return needles, ppl, skipped
 
@@ -162,6 +153,20 @@ def kvpress_tables(results: dict) -> tuple[list[dict], list[dict], str | None]:
     ]
     key = lambda r: (r["held_fraction"], r["candidate"])  # noqa: E731
     return sorted(needles, key=key), sorted(ppl, key=key), None
+
+
+def _beside(peer_rows: list[dict], ours: list[dict], shaped) -> list[dict]:
+    """Per fraction the peer's rows held (``qcache.at_bytes``), then the frontier's rows
+    that ran there, each with ``at``."""
+    from sglang_evict.quality.real import qcache
+
+    out = []
+    fractions = sorted({qcache.at_bytes(r["held_fraction"]) for r in peer_rows})
+    for at in fractions:
+        peers = [r for r in peer_rows if qcache.at_bytes(r["held_fraction"]) == at]
+        out += [{**r, "at": at, "peer": True} for r in sorted(peers, key=lambda r: r["candidate"])]
+        out += [{**shaped(r), "at": at} for r in ours if r["fraction"] == at]
+    return out
 
 
 def _kvpress_markdown(results: dict) -> list[str]:
