@@ -412,8 +412,17 @@ def plot(results: dict, path: Path) -> bool:
                 s=18,
                 label="kvpress presses",
             )
-        if axis is right and max((r[y_name] for r in peers), default=0) > 2:
-            axis.set_yscale("log")
+        if axis is right:  # a peer far above is drawn at the top with its value
+            top = max([1.2] + [row[y_name] for row in table if row[y_name] is not None])
+            axis.set_ylim(0.98, top + 0.02)
+            above = sorted((r for r in peers if r[y_name] > top), key=lambda r: r["candidate"])
+            if above:
+                text = "off the scale:\n" + "\n".join(
+                    f"{r['candidate']} at {r['held_fraction']:.2f}: {r[y_name]:.1f}x" for r in above
+                )
+                x = above[0]["held_fraction"]
+                axis.annotate(text, (x, top), fontsize=7, color="tab:red", va="top")
+                axis.scatter([x], [top], marker="^", color="tab:red")
         for name, points in sorted(lines.items()):
             points.sort()
             style = "o-" if name.startswith("tier") else "s--"
