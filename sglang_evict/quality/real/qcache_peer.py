@@ -28,6 +28,7 @@ accounting), over every layer; the fraction divides by every token in bfloat16.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -204,7 +205,11 @@ def run_job(job: dict, progress: bool = True, out: Path | None = None) -> dict:
     ).eval()
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
     done = json.loads(out.read_text()) if out is not None and out.is_file() else {}
+    digest = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
+    if done.get("job_digest") != digest:  # another job's results are never resumed
+        done = {}
     results = {"entries": done.get("entries", []), "skipped": done.get("skipped", [])}
+    results["job_digest"] = digest
     seen = {(e["task"], e["method"]) for e in results["entries"] + results["skipped"]}
     todo = runs(job)
     bar = tqdm(total=len(todo), desc="quantized-cache peer", unit="run", disable=not progress)
