@@ -7,16 +7,18 @@ For each (bits, requests, groups per request) it times, on the same tensors:
     quantize    quantize_into_triton: a pass's worth of groups from the KV buffers into
                 the tier (reads the full-precision rows, writes codes and scales)
     attention   tier_attention_triton: one decode query per request and query head over
-                its tier groups (reads the packed bytes, scales and outlier rows)
+                its tier groups (reads the packed bytes, scales and outlier rows), with
+                its defaults, then with each of VARIANTS' launch settings
     copy        one contiguous device-to-device copy of the bytes the kernel reads
 
-and prints each kernel's bytes read per second as a ratio to the copy's. The goal
-(issue): attention >= 0.70 of the copy on its packed bytes. ``--smoke`` runs one tiny
-configuration on CPU (Triton's interpreter) to check the script; its figures mean
-nothing. Model shape: a Llama-8B layer (8 KV heads, 32 query heads, head dim 128),
-groups of 32 tokens, 3 outlier tokens.
+and prints each kernel's bytes read per second as a ratio to the copy's (the variants'
+columns are ratios too). The goal (issue): attention >= 0.70 of the copy on its packed
+bytes. ``--smoke`` runs one tiny configuration on CPU (Triton's interpreter) to check
+the script; its figures mean nothing. Shapes (``--shape``): a Llama-8B layer (8 KV
+heads, 32 query heads, head dim 128) or SmolLM2-135M's (3, 9, 64); groups of 32
+tokens, 3 outlier tokens.
 
-    python3 benches/bench_tier.py                # on the GPU machine
+    python3 benches/bench_tier.py [--shape smollm2]     # on the GPU machine
 """
 
 from __future__ import annotations
@@ -34,6 +36,35 @@ from bench_repack import timed
 BITS = (2, 3, 4)
 REQUESTS = (16, 64)
 GROUPS = (32, 128)  # tier groups per request (1,024 and 4,096 tokens)
+SHAPES = {
+    "llama8b": {"kv_heads": 8, "q_heads": 32, "head_dim": 128},
+    "smollm2": {"kv_heads": 3, "q_heads": 9, "head_dim": 64},
+}
+# The attention kernel's launch settings besides its defaults (splits from the GPU's
+# size, NUM_WARPS): one split; 4 and 8 warps; replayed from a CUDA graph (no host work).
+VARIANTS = {
+    "1 split": {"splits": 1},
+    "4 warps": {"num_warps": 4},
+    "8 warps": {"num_warps": 8},
+    "graph": {"graph": True},
+}
+
+
+def timed_variant(fn, device: str, graph: bool) -> float:
+    """``timed``; with ``graph`` (CUDA) the call replayed from a CUDA graph, so the
+    host's launch work is not in the time."""
+    try:
+        fn()
+    except Exception as exc:  # a variant the GPU cannot hold (shared memory): no figure
+        print(f"  variant failed: {type(exc).__name__}: {str(exc)[:80]}")
+        return float("inf")
+    if not graph or device != "cuda":
+        return timed(fn, device)
+    fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return timed(g.replay, device)
 
 
 def bench_one(bits: int, requests: int, groups: int, device: str, shape: dict) -> dict:
@@ -67,6 +98,16 @@ def bench_one(bits: int, requests: int, groups: int, device: str, shape: dict) -
             device,
         ),
         "attention": timed(lambda: tier_attention_triton(q, store, table, counts, fmt), device),
+        **{
+            f"variant {name}": timed_variant(
+                lambda kw=kw: tier_attention_triton(
+                    q, store, table, counts, fmt, **{k: v for k, v in kw.items() if k != "graph"}
+                ),
+                device,
+                graph=kw.get("graph", False),
+            )
+            for name, kw in VARIANTS.items()
+        },
         "copy_quantize": timed(
             lambda: flat_dst[:quantize_bytes].copy_(flat[:quantize_bytes]), device
         ),
@@ -80,12 +121,23 @@ def bench_one(bits: int, requests: int, groups: int, device: str, shape: dict) -
         "copy_quantize": quantize_bytes / seconds["copy_quantize"],
         "copy_attention": attention_bytes / seconds["copy_attention"],
         "attention_mib": attention_bytes / 2**20,
+        **{
+            name: attention_bytes / seconds[name] / (attention_bytes / seconds["copy_attention"])
+            for name in seconds
+            if name.startswith("variant ")
+        },
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="one tiny CPU configuration")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="llama8b",
+        help="a layer's KV heads, query heads and head dim",
+    )
     args = parser.parse_args()
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -96,11 +148,12 @@ def main() -> None:
             sys.exit("bench_tier needs a CUDA GPU (use --smoke to check the script on CPU)")
         device = "cuda"
         grid = [(b, r, g) for b in BITS for r in REQUESTS for g in GROUPS]
-        shape = {"kv_heads": 8, "q_heads": 32, "head_dim": 128}
-        print(f"device: {torch.cuda.get_device_name()}")
+        shape = SHAPES[args.shape]
+        print(f"device: {torch.cuda.get_device_name()}, shape {args.shape}: {shape}")
     print(
         f"{'bits':>5}{'reqs':>6}{'groups':>8}{'tier MiB':>10}{'quant GB/s':>12}"
         f"{'attn GB/s':>11}{'copy GB/s':>11}{'quant/copy':>12}{'attn/copy':>11}"
+        + "".join(f"{name:>10}" for name in VARIANTS)
     )
     for bits, requests, groups in grid:
         r = bench_one(bits, requests, groups, device, shape)
@@ -110,6 +163,7 @@ def main() -> None:
             f"{r['copy_attention'] / 1e9:>11.2f}"
             f"{r['quantize'] / r['copy_quantize']:>12.2f}"
             f"{r['attention'] / r['copy_attention']:>11.2f}"
+            + "".join(f"{r['variant ' + name]:>10.2f}" for name in VARIANTS)
         )
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -2,7 +2,8 @@
 # The project's GPU checks, run ON a GPU machine from the repo root (CI has no GPU):
 #
 #   bash scripts/gpu_check.sh tests     # the tests that skip without CUDA, and the kernels compiled for real
-#   bash scripts/gpu_check.sh benches   # bench_pass and bench_step_hooks --device cuda, bench_repack, bench_scoring, bench_tier
+#   bash scripts/gpu_check.sh kernels   # bench_tier, bench_repack, bench_scoring: kernels against a device copy
+#   bash scripts/gpu_check.sh benches   # bench_pass and bench_step_hooks --device cuda, then the kernels part
 #   bash scripts/gpu_check.sh engine    # benches/engine_eviction.py: SGLang's engine, eviction on vs off
 #   bash scripts/gpu_check.sh tests benches engine   # several parts, in order, one set-up
 #
@@ -16,7 +17,7 @@
 #   .whl/: the project's runtime dependencies the image lacks, as cp312 wheels (docs/performance.md, "On a GPU")
 # Logs and result files go to $OUT (or /tmp/gpu_check). Each part is bounded by `timeout`.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: gpu_check.sh tests|benches|engine ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_check.sh tests|kernels|benches|engine ..." >&2; exit 2; }
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 if [ -f .gpu_carry/env.sh ]; then
@@ -31,13 +32,20 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, sglang; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__)"
 
+kernel_benches() {
+  local t=${BENCH_TIMEOUT_S:-240}
+  timeout "$t" python3 benches/bench_tier.py 2>&1 | tee "$out/bench_tier.txt"
+  timeout "$t" python3 benches/bench_repack.py 2>&1 | tee "$out/bench_repack.txt"
+  timeout "$t" python3 benches/bench_scoring.py 2>&1 | tee "$out/bench_scoring.txt"
+}
+
 for part in "$@"; do
 case "$part" in
 tests)
   # The kernels on CUDA tensors (compiled, programs in parallel), the pass under
   # set_sync_debug_mode("error"), the query ring in CUDA graphs, CUDA IPC to the sidecar.
   timeout "${TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadgroup -ra \
-    tests/test_kernels_repack.py tests/test_kernels_scoring.py tests/test_batch_pass_hooks.py \
+    tests/test_kernels_tier.py tests/test_kernels_repack.py tests/test_kernels_scoring.py tests/test_batch_pass_hooks.py \
     tests/test_query_capture.py tests/test_compactor_service.py tests/test_static_shape_pass.py \
     2>&1 | tee "$out/pytest_gpu.log"
   # SGLang's GPU attention backends with query capture inside CUDA-graph replays.
@@ -53,11 +61,10 @@ benches)
   # The host time a decode step's hooks cost (64 running requests, 0-64 due, replayed).
   timeout "$t" python3 benches/bench_step_hooks.py --device cuda 2>&1 \
     | tee "$out/bench_step_hooks_cuda.txt"
-  if [ -z "${BENCH_PASS_ARGS:-}" ]; then
-    timeout "$t" python3 benches/bench_repack.py 2>&1 | tee "$out/bench_repack.txt"
-    timeout "$t" python3 benches/bench_scoring.py 2>&1 | tee "$out/bench_scoring.txt"
-    timeout "$t" python3 benches/bench_tier.py 2>&1 | tee "$out/bench_tier.txt"
-  fi
+  [ -n "${BENCH_PASS_ARGS:-}" ] || kernel_benches
+  ;;
+kernels)
+  kernel_benches
   ;;
 engine)
   # MODEL_ARGS: make_random_llama.py's shape flags (default: 156M); ENGINE_ARGS: the
@@ -77,7 +84,7 @@ engine)
   tar -C "$logs" -czf "$out/$name-logs.tar.gz" .
   ;;
 *)
-  echo "unknown part $part: tests, benches or engine" >&2
+  echo "unknown part $part: tests, kernels, benches or engine" >&2
   exit 2
   ;;
 esac

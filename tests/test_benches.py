@@ -87,10 +87,11 @@ def test_repack_bench_runs_its_smoke_configuration_on_cpu():
 
 
 def test_tier_bench_runs_its_smoke_configuration_on_cpu():
-    """``bench_tier.py --smoke``: both tier kernels and the copy on one tiny
-    configuration (Triton's interpreter); one row with the two ratios."""
+    """``bench_tier.py --smoke``: both tier kernels, the attention's launch variants and
+    the copy on one tiny configuration (Triton's interpreter); one row with every ratio."""
+    variants = load("bench_tier").VARIANTS
     header, row = smoke_table("bench_tier.py")
-    assert "attn/copy" in header and len(row.split()) == 9
+    assert "attn/copy" in header and len(row.split()) == 9 + len(variants)
 
 
 @pytest.mark.parametrize("strategy", ["hole_fill", "repack"])

@@ -197,6 +197,11 @@ from sglang_evict_kernels.tier_quant import (  # noqa: E402
     quantize_into_reference,
     quantize_into_triton,
 )
+from tests.kernel_device import KERNEL_DEVICE, on_host, on_kernel_device  # noqa: E402
+
+
+def store_on(store: TierStore, device) -> TierStore:
+    return TierStore(**{name: t.to(device) for name, t in store.tensors().items()})
 
 
 def buffers(tokens, kv_heads, head_dim, seed, dtype=torch.float32):
@@ -236,7 +241,9 @@ def test_the_quantize_kernel_writes_the_references_bytes_bit_for_bit(
     expected = TierStore.empty(fmt, 5, kv_heads, dtype)
     got = TierStore.empty(fmt, 5, kv_heads, dtype)
     quantize_into_reference(expected, group_slots, k_buf, v_buf, token_slots, fmt)
-    quantize_into_triton(got, group_slots, k_buf, v_buf, token_slots, fmt)
+    got = store_on(got, KERNEL_DEVICE)
+    quantize_into_triton(got, *on_kernel_device([group_slots, k_buf, v_buf, token_slots]), fmt)
+    got = store_on(got, "cpu")
     for name, tensor in expected.tensors().items():
         assert torch.equal(getattr(got, name), tensor), f"{name} differs from the reference"
     ek, ev = dequantize_groups_reference(expected, fmt)
@@ -260,11 +267,20 @@ def test_the_attention_kernel_returns_the_references_output_and_lse(bits, outlie
     table, counts = request_tables([2, 0, 3], 5, seed=bits)
     q = torch.randn(3, q_heads, head_dim, generator=torch.Generator().manual_seed(1))
     o_ref, lse_ref = tier_attention_reference(q, store, table, counts, fmt)
-    o, lse = tier_attention_triton(q, store, table, counts, fmt)
-    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5, msg="o differs")
-    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))  # the empty request
-    torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5, msg="lse differs")
-    assert torch.equal(o[1], torch.zeros_like(o[1]))
+    on_device = (*on_kernel_device([q]), store_on(store, KERNEL_DEVICE))
+    table, counts = on_kernel_device([table, counts])
+    kernels = {  # the splits of a request's groups, merged by the second launch
+        f"{splits} splits": lambda splits=splits: tier_attention_triton(
+            *on_device, table, counts, fmt, splits=splits
+        )
+        for splits in (1, 2, 4, None)
+    }
+    for name, kernel in kernels.items():
+        o, lse = on_host(kernel())
+        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5, msg=f"{name}: o differs")
+        assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)), name  # the empty request
+        torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5, msg=f"{name}: lse")
+        assert torch.equal(o[1], torch.zeros_like(o[1])), name
 
 
 def test_a_store_the_kernels_cannot_index_is_refused():

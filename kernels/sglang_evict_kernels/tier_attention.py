@@ -14,7 +14,9 @@ exactly into the softmax over all tokens (the online-softmax merge):
 
 ``tier_attention_reference`` dequantizes (``tier_format.dequantize_groups_reference``)
 and computes the softmax in float32; ``tier_attention_triton`` reads the packed bytes,
-one program per (request, query head), groups streamed with an online softmax.
+one program per (request, KV head, split of the request's groups): every query head of
+the KV head at once, groups streamed with an online softmax, the splits merged by a
+second launch (one split: no second launch).
 Queries ``[B, Hq, D]`` share KV heads in groups of ``Hq / H`` (GQA); a request's groups
 are the slots ``group_table[b, :num_groups[b]]``.
 """
@@ -116,10 +118,18 @@ def merge_attention_states(
     return o, lse
 
 
-def _kernel():
-    from sglang_evict_kernels import tier_jit
+# Warps per program: 2 read the packed bytes fastest of 2, 4 and 8 on an H200
+# (benches/results/bench_tier_h200.txt, 2026-11-27; all far below the copy's rate).
+NUM_WARPS = 2
 
-    return tier_jit.attention_kernel
+
+def _splits_for(programs: int, max_groups: int, device: torch.device) -> int:
+    """Splits of each request's groups so that (requests x KV heads x splits) programs
+    about fill the GPU twice over; one on CPU (the interpreter runs programs in turn)."""
+    if device.type != "cuda" or max_groups <= 1:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(max_groups, 16, -(-2 * sms // max(programs, 1))))
 
 
 def tier_attention_triton(
@@ -129,18 +139,31 @@ def tier_attention_triton(
     num_groups: Tensor,
     fmt: TierFormat,
     sm_scale: float | None = None,
+    splits: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``tier_attention_reference``'s result from the packed bytes, in one launch."""
+    """``tier_attention_reference``'s result from the packed bytes: one program per
+    (request, KV head, split) reads each group once for all the KV head's query heads;
+    with more than one split a second launch merges the splits. ``splits`` defaults to
+    ``_splits_for``'s choice; ``num_warps`` to ``NUM_WARPS``."""
     check_attention_inputs(q, store, group_table, num_groups, fmt)
     store.check_contiguous()
     sm_scale = 1.0 / math.sqrt(fmt.head_dim) if sm_scale is None else sm_scale
     b, hq, d = q.shape
+    h = store.k_codes.shape[2]
     o = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
     if b == 0:
         return o, lse
     table = group_table.to(torch.int32).contiguous()
-    _kernel()[(b, hq)](
+    s = splits if splits is not None else _splits_for(b * h, table.shape[1], q.device)
+    if s < 1:
+        raise ValueError(f"splits must be at least 1; got {s}")
+    o_part = o if s == 1 else torch.empty(b, hq, s, d, dtype=torch.float32, device=q.device)
+    lse_part = lse if s == 1 else torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
+    from sglang_evict_kernels import tier_jit
+
+    tier_jit.attention_kernel[(b, h, s)](
         q.contiguous(),
         table,
         num_groups.to(torch.int32).contiguous(),
@@ -153,16 +176,28 @@ def tier_attention_triton(
         store.out_index,
         store.out_k,
         store.out_v,
-        o,
-        lse,
+        o_part,
+        lse_part,
         float(sm_scale),
         table.shape[1],
         HQ=hq,
-        H=store.k_codes.shape[2],
+        H=h,
         D=d,
         G=fmt.group_tokens,
         C=fmt.value_group_channels,
         BITS=fmt.bits,
         N_OUT=store.outliers,
+        QB=triton_pow2(hq // h),
+        S=s,
+        num_warps=NUM_WARPS if num_warps is None else num_warps,
     )
+    if s > 1:
+        tier_jit.merge_splits_kernel[(b * hq,)](
+            o_part, lse_part, o, lse, S=s, SB=triton_pow2(s), D=d
+        )
     return o, lse
+
+
+def triton_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (Triton's block shapes)."""
+    return 1 << max(0, (n - 1).bit_length())

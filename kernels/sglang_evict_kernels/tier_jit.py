@@ -1,5 +1,6 @@
 """The tier's device code (``@triton.jit``): the quantize-and-pack kernel
-(``tier_quant``'s launcher) and the decode attention kernel (``tier_attention``'s).
+(``tier_quant``'s launcher), the decode attention kernel and the merge of its splits
+(``tier_attention``'s).
 Imported only when a launcher first runs: importing it imports Triton."""
 
 import triton
@@ -137,8 +138,8 @@ def attention_kernel(
     out_index,
     out_k,
     out_v,
-    o,  # [B, Hq, D] float32
-    lse,  # [B, Hq] float32
+    o,  # [B, Hq, S, D] float32: each split's partial attention
+    lse,  # [B, Hq, S] float32
     sm_scale,
     W,
     HQ: tl.constexpr,
@@ -148,24 +149,37 @@ def attention_kernel(
     C: tl.constexpr,
     BITS: tl.constexpr,
     N_OUT: tl.constexpr,
+    QB: tl.constexpr,  # query heads per KV head, padded to a power of two
+    S: tl.constexpr,  # splits of a request's groups
 ):
+    """One program per (request, KV head, split): every query head of the KV head over
+    the split's share of the request's groups, each group's packed bytes read and
+    dequantized once (not once per query head)."""
     b = tl.program_id(0)
-    hq = tl.program_id(1)
-    h = hq // (HQ // H)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    QPK: tl.constexpr = HQ // H
     P: tl.constexpr = D * BITS // 8
     g = tl.arange(0, G)
     d = tl.arange(0, D)
-    query = tl.load(q + (b * HQ + hq) * D + d).to(tl.float32)
-    m = float("-inf")
-    total = 0.0
-    acc = tl.zeros([D], dtype=tl.float32)
+    qh = tl.arange(0, QB)
+    q_ok = qh < QPK
+    heads = h * QPK + qh
+    query = tl.load(
+        q + (b * HQ + heads)[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0
+    ).to(tl.float32)  # [QB, D]
+    m = tl.full([QB], float("-inf"), tl.float32)
+    total = tl.zeros([QB], dtype=tl.float32)
+    acc = tl.zeros([QB, D], dtype=tl.float32)
     count = tl.load(num_groups + b)
-    for i in range(0, count):
+    per = tl.cdiv(count, S)
+    start = s * per
+    stop = tl.minimum(start + per, count)
+    for i in range(start, stop):
         slot = tl.load(group_table + b * W + i).to(tl.int64)
         rows = ((slot * G + g) * H + h) * P
         ks = tl.load(k_scale + (slot * H + h) * D + d).to(tl.float32)
         kz = tl.load(k_zero + (slot * H + h) * D + d).to(tl.float32)
-        # Unpack eight codes from each BITS bytes (little-endian), keys and values.
         if BITS == 8:
             kc = tl.load(k_codes + rows[:, None] + d[None, :]).to(tl.int32)
             vc = tl.load(v_codes + rows[:, None] + d[None, :]).to(tl.int32)
@@ -182,24 +196,58 @@ def attention_kernel(
             vc = tl.reshape((vw[:, :, None] >> shifts) & ((1 << BITS) - 1), (G, D))
         k = kc.to(tl.float32) * ks[None, :] + kz[None, :]
         blocks = ((slot * G + g[:, None]) * H + h) * (D // C) + tl.arange(0, D // C)[None, :]
-        vs = tl.load(v_scale + blocks).to(tl.float32)  # [G, D // C]
+        vs = tl.load(v_scale + blocks).to(tl.float32)
         vz = tl.load(v_zero + blocks).to(tl.float32)
         vcodes = tl.reshape(vc.to(tl.float32), (G, D // C, C))
         v = tl.reshape(vcodes * vs[:, :, None] + vz[:, :, None], (G, D))
-        for j in tl.static_range(N_OUT):  # outlier tokens: their own rows
+        for j in tl.static_range(N_OUT):
             o_row = (slot * H + h) * N_OUT + j
             at = tl.load(out_index + o_row).to(tl.int32)
             here = (g == at)[:, None]
             k = tl.where(here, tl.load(out_k + o_row * D + d).to(tl.float32)[None, :], k)
             v = tl.where(here, tl.load(out_v + o_row * D + d).to(tl.float32)[None, :], v)
-        scores = tl.sum(k * query[None, :], axis=1) * sm_scale  # [G]
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        scores = tl.sum(query[:, None, :] * k[None, :, :], axis=2) * sm_scale  # [QB, G]
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new)
-        total = total * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        p = tl.exp(scores - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    empty = count == 0
+    empty = stop <= start
     safe = tl.where(empty, 1.0, total)
-    tl.store(o + (b * HQ + hq) * D + d, tl.where(empty, 0.0, acc / safe))
-    tl.store(lse + b * HQ + hq, tl.where(empty, float("-inf"), m + tl.log(safe)))
+    out = (b * HQ + heads) * S + s
+    tl.store(
+        o + out[:, None] * D + d[None, :],
+        tl.where(empty, 0.0, acc / safe[:, None]),
+        mask=q_ok[:, None],
+    )
+    tl.store(lse + out, tl.where(empty, float("-inf"), m + tl.log(safe)), mask=q_ok)
+
+
+@triton.jit
+def merge_splits_kernel(
+    o_part,  # [B * Hq, S, D] float32
+    lse_part,  # [B * Hq, S]
+    o,  # [B * Hq, D]
+    lse,  # [B * Hq]
+    S: tl.constexpr,
+    SB: tl.constexpr,  # S padded to a power of two
+    D: tl.constexpr,
+):
+    """The splits' partial attentions of one (request, query head) merged into one
+    (the online-softmax merge; empty splits carry lse = -inf)."""
+    r = tl.program_id(0)
+    s = tl.arange(0, SB)
+    d = tl.arange(0, D)
+    ls = tl.load(lse_part + r * S + s, mask=s < S, other=float("-inf"))
+    m = tl.max(ls, axis=0)
+    empty = m == float("-inf")
+    m_safe = tl.where(empty, 0.0, m)
+    w = tl.exp(ls - m_safe)
+    parts = tl.load(
+        o_part + (r * S + s)[:, None] * D + d[None, :], mask=(s < S)[:, None], other=0.0
+    )
+    total = tl.sum(w, axis=0)
+    safe = tl.where(empty, 1.0, total)
+    tl.store(o + r * D + d, tl.where(empty, 0.0, tl.sum(w[:, None] * parts, axis=0) / safe))
+    tl.store(lse + r, tl.where(empty, float("-inf"), m_safe + tl.log(safe)))
