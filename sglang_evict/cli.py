@@ -216,7 +216,6 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
     redis_url, redis_line = _redis_url(args)
     args.kv_redis_url = redis_url
     config = config_from_args(args)  # our flags first: nothing of SGLang is loaded yet
-    refuse_tier_in_engine(config, "serve")
     use_triton_interpreter_without_gpu()
     if args.dry_run:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a dry run never downloads

@@ -32,6 +32,16 @@ MODEL_SHAPE = dict(
     num_kv_heads=2,
     intermediate_size=128,
 )
+# The variant with head dim 64 (the tier's kernels hold 64 and 128): the tier's engine
+# tests. Same tokenizer and vocabulary.
+HEAD_DIM_64_SHAPE = dict(
+    hidden_size=128,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=256,
+)
+SHAPES = {"base": MODEL_SHAPE, "head_dim64": HEAD_DIM_64_SHAPE}
 SEED = 0
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (UNK, BOS, EOS)  # ids 0, 1, 2
@@ -77,14 +87,15 @@ def build_tokenizer():
     )
 
 
-def build_engine_model(out: str | os.PathLike) -> Path:
-    """Write the model and tokenizer to ``out`` (created); returns the folder."""
+def build_engine_model(out: str | os.PathLike, variant: str = "base") -> Path:
+    """Write the model (``SHAPES[variant]``) and tokenizer to ``out`` (created);
+    returns the folder."""
     from sglang_evict.reference_model import build_tiny_llama
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    model = build_tiny_llama(seed=SEED, vocab_size=VOCAB_SIZE, **MODEL_SHAPE)
+    model = build_tiny_llama(seed=SEED, vocab_size=VOCAB_SIZE, **SHAPES[variant])
     config = model.config
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
@@ -109,16 +120,18 @@ def _digests(folder: Path) -> dict[str, str]:
     }
 
 
-def default_model_dir() -> Path:
+def default_model_dir(variant: str = "base") -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "sglang-evict" / f"engine-model-v{MODEL_VERSION}"
+    name = "engine-model" if variant == "base" else f"engine-model-{variant}"
+    return Path(base) / "sglang-evict" / f"{name}-v{MODEL_VERSION}"
 
 
-def ensure_engine_model(folder: str | os.PathLike | None = None) -> Path:
-    """The model folder, built on first use (reused when its files are intact)."""
+def ensure_engine_model(folder: str | os.PathLike | None = None, variant: str = "base") -> Path:
+    """The model folder, built on first use (reused when its files are intact);
+    ``variant``: one of ``SHAPES``."""
     import fcntl
 
-    folder = Path(folder) if folder is not None else default_model_dir()
+    folder = Path(folder) if folder is not None else default_model_dir(variant)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # One builder at a time (a demo, a server and test workers may ask at once): the
     # others wait, then find the folder intact instead of reading half-written files.
@@ -134,4 +147,4 @@ def ensure_engine_model(folder: str | os.PathLike | None = None) -> Path:
                     return folder
             except (ValueError, OSError):
                 pass
-        return build_engine_model(folder)
+        return build_engine_model(folder, variant)

@@ -14,6 +14,7 @@ from sglang_evict_kernels.tier_attention import (
     attention_with_lse_reference,
     merge_attention_states,
     tier_attention_reference,
+    tier_attention_torch,
 )
 from sglang_evict_kernels.tier_format import (
     SUPPORTED_BITS,
@@ -269,6 +270,10 @@ def test_the_attention_kernel_returns_the_references_output_and_lse(bits, outlie
     o_ref, lse_ref = tier_attention_reference(q, store, table, counts, fmt)
     on_device = (*on_kernel_device([q]), store_on(store, KERNEL_DEVICE))
     table, counts = on_kernel_device([table, counts])
+    o_torch, lse_torch = tier_attention_torch(q, store, table, counts, fmt)  # batched torch
+    torch.testing.assert_close(o_torch, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse_torch, lse_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(o_torch[1], torch.zeros_like(o_torch[1]))
     kernels = {  # the splits of a request's groups, merged by the second launch
         f"{splits} splits": lambda splits=splits: tier_attention_triton(
             *on_device, table, counts, fmt, splits=splits

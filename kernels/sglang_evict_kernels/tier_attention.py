@@ -80,6 +80,38 @@ def tier_attention_reference(
     return o, lse
 
 
+def tier_attention_torch(
+    q: Tensor,
+    store: TierStore,
+    group_table: Tensor,
+    num_groups: Tensor,
+    fmt: TierFormat,
+    sm_scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``tier_attention_reference``'s result for the whole batch at once, in tensor
+    operations of static shape (no host read, no loop over requests): the form SGLang's
+    decode step runs where no Triton kernel does (the CPU engine). Every slot of the
+    table is dequantized; groups past a request's count are masked out."""
+    check_attention_inputs(q, store, group_table, num_groups, fmt)
+    sm_scale = 1.0 / math.sqrt(fmt.head_dim) if sm_scale is None else sm_scale
+    b, hq, d = q.shape
+    width = group_table.shape[1]
+    kv_heads = store.k_codes.shape[2]
+    g = fmt.group_tokens
+    k, v = dequantize_groups_reference(store.take(group_table.reshape(-1).long()), fmt)
+    k = k.reshape(b, width * g, kv_heads, d).repeat_interleave(hq // kv_heads, dim=2)
+    v = v.reshape(b, width * g, kv_heads, d).repeat_interleave(hq // kv_heads, dim=2)
+    live = torch.arange(width, device=q.device)[None, :] < num_groups.to(q.device)[:, None]
+    live = live.repeat_interleave(g, dim=1)  # [B, T]
+    scores = torch.einsum("bhd,bthd->bht", q.float(), k) * sm_scale
+    scores = scores.masked_fill(~live[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, Hq]; -inf where a request has no group
+    finite = torch.isfinite(lse)
+    p = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse))[..., None])
+    o = torch.einsum("bht,bthd->bhd", p, v)
+    return torch.where(finite[..., None], o, torch.zeros_like(o)), lse
+
+
 def attention_with_lse_reference(
     q: Tensor, k: Tensor, v: Tensor, sm_scale: float
 ) -> tuple[Tensor, Tensor]:

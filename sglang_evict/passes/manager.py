@@ -254,8 +254,12 @@ class EvictionManager:
         return int(mismatch[0]) if mismatch.numel() else kv_len
 
     def num_tracked_requests(self) -> int:
-        """Requests with eviction state (none once every request has finished)."""
-        return len(self.states)
+        """Requests with eviction state or tier groups (none once every request has
+        finished)."""
+        tier_only = 0
+        if self.tier_arena is not None:
+            tier_only = sum(1 for rid in self.tier_arena.owned if rid not in self.states)
+        return len(self.states) + tier_only
 
     def first_evicted_position(self, rid: str, kv_len: int) -> int | None:
         """The smallest logical position no longer held (None: nothing evicted)."""

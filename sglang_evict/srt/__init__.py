@@ -19,6 +19,9 @@ what differs between the two is in ``versioned``, nowhere else. Everything else 
                     reservation                               ModelRunner
     graph_pool      the pass CUDA graphs' memory pool         KVCacheConfigurator
                     counted against the KV pool
+    tier            the quantized tier's arena carved from    KVCacheConfigurator,
+                    the KV pool; decode attention merged      ModelRunner,
+                    with the tier's (log-sum-exp)             AttentionBackend.forward
     backend         EvictingRadixCache + registered factory   RadixCache, TreeNode
     hooks           decode-step passes, decode positions      ScheduleBatch, ForwardBatch
     admission       admission and retraction see an evicting  PrefillAdder, ScheduleBatch
@@ -133,6 +136,9 @@ def install() -> None:
         _before_add_request_to_queue,
     )
     from sglang_evict.srt.server_args import BACKEND_NAME
+    from sglang_evict.srt.tier import _after_alloc_memory_pool as _after_alloc_tier
+    from sglang_evict.srt.tier import _after_attention_forward
+    from sglang_evict.srt.tier import _after_resolve_memory_pool_config as _after_resolve_tier
 
     if BACKEND_NAME in registered_radix_cache_backends():
         return
@@ -147,8 +153,11 @@ def install() -> None:
     HookRegistry.register(
         HOOK_RESOLVE_POOL, _after_resolve_memory_pool_config_graph_pool, HookType.AFTER
     )
+    HookRegistry.register(HOOK_RESOLVE_POOL, _after_resolve_tier, HookType.AFTER)
     HookRegistry.register(HOOK_ALLOC_POOL, _after_alloc_memory_pool, HookType.AFTER)
+    HookRegistry.register(HOOK_ALLOC_POOL, _after_alloc_tier, HookType.AFTER)
     HookRegistry.register(HOOK_ATTENTION_FORWARD, _before_attention_forward, HookType.BEFORE)
+    HookRegistry.register(HOOK_ATTENTION_FORWARD, _after_attention_forward, HookType.AFTER)
     HookRegistry.register(HOOK_RUNNING_OFFSET, _after_running_offset, HookType.AFTER)
     HookRegistry.register(HOOK_ADD_ONE_REQ, _around_add_one_req, HookType.AROUND)
     HookRegistry.register(HOOK_CHECK_DECODE_MEM, _after_check_decode_mem, HookType.AFTER)

@@ -11,7 +11,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 from torch import Tensor
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.srt import capture
+from sglang_evict.srt import capture, tier
 from sglang_evict.srt.active import Active, EvictingCache
 from sglang_evict.srt.graph_pool import pass_graphs_on
 from sglang_evict.srt.introspection import log_passes_enabled, log_request
@@ -121,6 +121,7 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
     # Passes wait, on the device, for the in-flight forward on this stream.
     cache.evictor.forward_stream = forward_stream_of(ctx.tp_worker)
     capture.attach(cache.evictor, getattr(ctx.tp_worker, "model_runner", None))
+    tier.attach(cache.evictor, getattr(ctx.tp_worker, "model_runner", None))
     if ctx.tp_size > 1 and config.scorer in TP_REDUCED_SCORERS:
         if ctx.params.tp_cache_group is None:
             raise ValueError(

@@ -78,12 +78,13 @@ def log_request(rid: str, report: dict) -> None:
 
 
 def plugin_report(manager, totals: PassTotals) -> dict:
-    from sglang_evict.srt import capture
+    from sglang_evict.srt import capture, tier
 
     report = {"tracked_requests": manager.num_tracked_requests(), **asdict(totals)}
     report["pass_failure_streak"] = manager.failures.streak
     report["forced_completions"] = manager.forced_completions
     report["query_capture"] = capture.report()
+    report["tier"] = tier.report()
     if manager.group_choice is not None:  # --kv-pass-group-steps auto: the choice
         report["pass_grouping"] = {"mode": "auto", **manager.group_choice.report()}
     else:
@@ -191,5 +192,12 @@ def _after_on_idle(result, scheduler, *args, **kwargs):
             raise ValueError(message)
         logger.warning(message)
     else:
+        if manager.tier_arena is not None:  # its invariants, and nothing held when idle
+            manager.tier_arena.check()
+            if manager.tier_arena.owned:
+                raise ValueError(
+                    f"sglang-evict: the tier holds groups of {sorted(manager.tier_arena.owned)} "
+                    f"while the scheduler is idle"
+                )
         Active.totals.idle_checks += 1
     return result

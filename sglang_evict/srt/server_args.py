@@ -304,8 +304,53 @@ def startup_problems(
             f"holds different KV heads and this scorer's per-rank inputs are not split "
             f"yet); use --kv-scorer {' or '.join(supported_under_tp)}, or --tp-size 1"
         )
+    if config.tier_bits is not None:
+        problems.extend(_tier_problems(server_args, config))
     if model is not None:
         problems.extend(_model_problems(config, model))
+    return problems
+
+
+# The attention backends whose decode output the tier's attention merges with
+# (``sglang_evict.srt.tier``).
+TIER_BACKENDS = ("torch_native",)
+# KV cache dtypes the tier quantizes from (block-scaled and fp8 pools are not read yet).
+TIER_KV_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
+
+
+def _tier_problems(server_args, config: EvictionConfig) -> list[str]:
+    """Why this server cannot run the quantized tier (``--kv-tier-bits``)."""
+    problems = []
+    backend = getattr(server_args, "attention_backend", None)
+    if backend not in TIER_BACKENDS:
+        chosen = f"--attention-backend {backend}" if backend else "SGLang's default backend"
+        problems.append(
+            f"--kv-tier-bits with {chosen}: the tier's attention merges with SGLang's "
+            f"{' or '.join(TIER_BACKENDS)} backend only so far; pass --attention-backend "
+            f"torch_native or drop --kv-tier-*"
+        )
+    kv_dtype = getattr(server_args, "kv_cache_dtype", "auto") or "auto"
+    if kv_dtype not in TIER_KV_DTYPES:
+        problems.append(
+            f"--kv-tier-bits with --kv-cache-dtype {kv_dtype}: the tier quantizes from a "
+            f"16- or 32-bit KV cache only; drop one of the two"
+        )
+    if config.compactor == "grpc":
+        problems.append(
+            "--kv-tier-bits with --kv-compactor grpc: the sidecar does not run the tier's "
+            "quantize-and-pack yet; use --kv-compactor inprocess or drop --kv-tier-*"
+        )
+    tp_size = getattr(server_args, "tp_size", 1) or 1
+    if tp_size > 1:
+        problems.append(
+            f"--kv-tier-bits with --tp-size {tp_size}: the tier is not verified under tensor "
+            f"parallelism yet; use --tp-size 1 or drop --kv-tier-*"
+        )
+    if getattr(server_args, "enable_torch_compile", False):
+        problems.append(
+            "--kv-tier-bits with --enable-torch-compile: the tier's merge inside the "
+            "attention is not verified under torch.compile; remove one of the two"
+        )
     return problems
 
 

@@ -13,10 +13,16 @@ memory the server owns and counts), and never grows::
     free        the slots no request owns (host, a stack)
     score       float32 [num_groups + 1] on the device: each held group's score (the
                 highest of its tokens' scores when it entered), what a full tier compares
+    row tables  (``enable_rows``, SGLang's engine) int32 [request rows, max groups] and
+                [request rows] on the device: each request-pool row's slots and their
+                count, what the decode step's attention reads by ``req_pool_indices``
+                (static shapes: no host read, CUDA-graph safe); written when a request's
+                slots change (``take``, ``release``), outside any forward
 
 Invariants (``check``, tested after every operation): every slot is either free or
 owned by exactly one request; no request owns more than its bound; the trash slot is
-never free nor owned.
+never free nor owned; a bound row's table holds exactly its request's slots, and a row
+no request is bound to holds none.
 """
 
 from __future__ import annotations
@@ -94,6 +100,17 @@ class TierArena:
         self.scores = torch.zeros(num_groups + 1, dtype=torch.float32, device=self.device)
         self._free = list(range(num_groups - 1, -1, -1))  # pop() hands out slot 0 first
         self.owned: dict[str, list[int]] = {}
+        self.row_table: Tensor | None = None
+        self.row_counts: Tensor | None = None
+        self.row_of: dict[str, int] = {}
+
+    def enable_rows(self, num_rows: int, max_groups: int) -> None:
+        """Keep the row tables (module docstring) for ``num_rows`` request-pool rows of
+        at most ``max_groups`` groups each."""
+        self.row_table = torch.full(
+            (num_rows, max(max_groups, 1)), self.trash, dtype=torch.int32, device=self.device
+        )
+        self.row_counts = torch.zeros(num_rows, dtype=torch.int32, device=self.device)
 
     # --- host bookkeeping ------------------------------------------------------------
 
@@ -113,20 +130,40 @@ class TierArena:
         end = len(self._free) - after
         return self._free[max(end - count, 0) : end][::-1]
 
-    def take(self, rid: str, count: int) -> list[int]:
-        """Up to ``count`` free slots for ``rid`` (fewer when the arena runs short)."""
+    def take(self, rid: str, count: int, row: int | None = None) -> list[int]:
+        """Up to ``count`` free slots for ``rid`` (fewer when the arena runs short);
+        ``row``: its request-pool row, whose table then lists its slots."""
+        if row is not None and self.row_table is not None:
+            self.row_of[rid] = row
         count = min(count, len(self._free))
         if count <= 0:
             return []
         got = [self._free.pop() for _ in range(count)]
         self.owned.setdefault(rid, []).extend(got)
+        self._publish(rid)
         return got
 
     def release(self, rid: str) -> int:
         """Give back every slot ``rid`` owns (finish, abort, retraction); the count."""
         slots = self.owned.pop(rid, [])
         self._free.extend(reversed(slots))
+        row = self.row_of.pop(rid, None)
+        if row is not None:
+            self.row_counts[row] = 0
         return len(slots)
+
+    def _publish(self, rid: str) -> None:
+        row = self.row_of.get(rid)
+        if row is None:
+            return
+        slots = self.owned.get(rid, [])
+        width = self.row_table.shape[1]
+        if len(slots) > width:
+            raise AssertionError(f"request {rid} holds {len(slots)} tier groups, its row {width}")
+        self.row_table[row, : len(slots)] = torch.tensor(slots, dtype=torch.int32).to(
+            self.device, non_blocking=True
+        )
+        self.row_counts[row] = len(slots)
 
     def nbytes(self) -> int:
         """Bytes the arena's tensors hold on the device (every layer, trash included)."""
@@ -169,3 +206,20 @@ class TierArena:
             raise AssertionError(
                 f"{self.num_groups - len(free) - len(seen)} tier slots are neither free nor owned"
             )
+        if self.row_counts is not None:
+            self._check_rows()
+
+    def _check_rows(self) -> None:
+        counts = self.row_counts.cpu().tolist()
+        bound = {row: rid for rid, row in self.row_of.items()}
+        if len(bound) != len(self.row_of):
+            raise AssertionError("two requests are bound to one request-pool row")
+        for row, count in enumerate(counts):
+            rid = bound.get(row)
+            slots = self.owned.get(rid, []) if rid is not None else []
+            if count != len(slots):
+                raise AssertionError(
+                    f"row {row} lists {count} tier groups, its request {rid} holds {len(slots)}"
+                )
+            if slots and sorted(self.row_table[row, :count].cpu().tolist()) != sorted(slots):
+                raise AssertionError(f"row {row}'s tier table differs from {rid}'s slots")

@@ -47,6 +47,7 @@ class RequestDemotion:
     new_groups: int  # groups of its cold tokens
     fresh: int  # arena slots it takes
     dropped: int  # groups given up (old or new): tokens gone from the KV
+    row: int | None = None  # its request-pool row (the arena's row tables)
 
 
 @dataclass
@@ -78,6 +79,7 @@ def prepare(
     scores: Tensor,
     k_buffers: list[Tensor],
     v_buffers: list[Tensor],
+    rows: list[int] | None = None,
 ) -> Demotion | None:
     """The demotion of a pass's requests (``rids[i]`` is row ``i`` of the ``[R, N]``
     tensors; ``demoted_tokens[i]`` a multiple of G). None when nothing is demoted."""
@@ -106,7 +108,8 @@ def prepare(
         fresh_slots = torch.tensor(arena.peek(fresh, after=fresh_base), dtype=torch.int64)
         fresh_base += fresh
         targets.append(_targets(arena, old, fresh_slots.to(device), new_scores, dropped, device))
-        parts.append(RequestDemotion(rid, i, new, fresh, dropped))
+        row = None if rows is None else rows[i]
+        parts.append(RequestDemotion(rid, i, new, fresh, dropped, row))
     if not parts:
         return None
     all_tokens = torch.cat(token_slots)
@@ -159,7 +162,7 @@ def commit(arena: TierArena, demotion: Demotion) -> None:
         store.write(demotion.targets, scratch)
     arena.scores.index_copy_(0, demotion.targets, demotion.scores)
     for part in demotion.requests:
-        arena.take(part.rid, part.fresh)
+        arena.take(part.rid, part.fresh, row=part.row)
 
 
 def prepare_pass(manager, work, view, keep: Tensor, scores: Tensor) -> Demotion | None:
@@ -188,6 +191,7 @@ def prepare_pass(manager, work, view, keep: Tensor, scores: Tensor) -> Demotion 
         scores=scores,
         k_buffers=manager.pool.k_buffers,
         v_buffers=manager.pool.v_buffers,
+        rows=[d.req_pool_idx for d in work.due],
     )
 
 

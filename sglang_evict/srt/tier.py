@@ -1,0 +1,313 @@
+"""The quantized tier inside SGLang's engine: its arena carved from the KV memory SGLang
+sizes, and each decode layer's attention merged with the tier's.
+
+Memory (the order matters, as for the query ring, ``capture``)::
+
+    KVCacheConfigurator._resolve_memory_pool_config  AFTER: the KV pool gives up
+                                                     --kv-tier-pool-share of its bytes,
+                                                     in whole pages, to the arena
+    ModelRunner.alloc_memory_pool                    AFTER: the arena is allocated, with
+                                                     a row table per request-pool row
+    radix_cache_factory                              the manager takes the arena
+
+So SGLang's own figures (``max_total_num_tokens``, the decode log's ``#token``,
+``/get_server_info``) count the pool after the carve, and the tier's bytes are memory
+the server owns.
+
+Attention: an AFTER hook on ``AttentionBackend.forward`` (the method every attention
+layer reaches). For a decode batch whose requests hold tier groups it merges, by their
+log-sum-exp (``sglang_evict_kernels.tier_attention.merge_attention_states``), the
+backend's output over each request's full-precision KV with the request's attention
+over its tier. The backend returns no log-sum-exp, so the full side's is computed again
+from the same keys the backend read (``req_to_token[row, :seq_len]``): the
+``torch_native`` backend (SGLang's CPU engine) is the one supported so far; the server
+refuses the tier with any other at start (``server_args.startup_problems``).
+
+Extend (prefill) batches never read the tier, and the hook asserts it (CPU: a read of
+the batch's row counts): a pass demotes only tokens of a running request past its
+prompt's shared prefix (shared prefixes never enter the tier), and a retracted or
+finished request gives its tier back before its row is reused (a retracted request is
+re-prefilled from its tokens, full precision).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_evict.config import EvictionConfig
+from sglang_evict.srt.capture import kv_bytes_per_token_of, plugin_policy
+from sglang_evict.srt.server_args import TIER_BACKENDS
+from sglang_evict.srt.versioned import attention_tp_size
+
+logger = logging.getLogger(__name__)
+
+_BACKEND_CLASSES = {"TorchNativeAttnBackend": "torch_native"}
+_FORWARD_ARGS = ("q", "k", "v", "layer", "forward_batch")
+
+
+@dataclass
+class TierPlan:
+    """What the memory hook decided: the arena's size and what it costs the KV pool."""
+
+    config: EvictionConfig
+    num_groups: int
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    full_dtype: torch.dtype
+    kv_bytes_per_token: int
+    pool_tokens_before: int
+    pool_tokens_after: int
+    arena_bytes: int
+
+    def describe(self) -> str:
+        fmt = self.config
+        return (
+            f"quantized tier: {fmt.tier_bits} bits, groups of {fmt.tier_group_tokens} tokens, "
+            f"{self.num_groups} group slots x {self.num_layers} layers "
+            f"= {self.arena_bytes} bytes ({self.arena_bytes / 2**20:.2f} MiB, "
+            f"--kv-tier-pool-share {fmt.tier_pool_share}): KV pool "
+            f"{self.pool_tokens_before} -> {self.pool_tokens_after} tokens"
+        )
+
+
+@dataclass
+class _Tier:
+    """This scheduler process's tier (one model runner per process)."""
+
+    plan: TierPlan | None = None
+    arena: object | None = None  # sglang_evict.tier.arena.TierArena
+    calls: dict = field(default_factory=lambda: {"decode_merged": 0, "decode_without": 0})
+
+
+STATE = _Tier()
+
+
+def tier_policy(server_args, page_size: int) -> EvictionConfig | None:
+    config = plugin_policy(server_args, page_size)
+    return config if config is not None and config.tier_bits is not None else None
+
+
+def plan_tier(
+    config: EvictionConfig,
+    *,
+    pool_tokens: int,
+    kv_bytes_per_token: int,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    full_dtype: torch.dtype,
+    page_size: int,
+) -> TierPlan:
+    """The arena for this pool and the whole pages left to the pool. Raises
+    ``ValueError`` naming the flags when either would be empty."""
+    from sglang_evict.tier.arena import arena_groups_for_share, group_bytes
+
+    fmt = config.tier_format(head_dim)
+    groups = arena_groups_for_share(
+        share=config.tier_pool_share,
+        kv_pool_bytes=pool_tokens * kv_bytes_per_token,
+        fmt=fmt,
+        num_layers=num_layers,
+        kv_heads=kv_heads,
+        full_dtype=full_dtype,
+    )
+    if groups < 1:
+        raise ValueError(
+            f"--kv-tier-pool-share {config.tier_pool_share} of a {pool_tokens}-token KV pool "
+            f"holds no tier group; raise it, --mem-fraction-static or --max-total-tokens"
+        )
+    arena_bytes = (groups + 1) * group_bytes(fmt, num_layers, kv_heads, full_dtype)
+    arena_bytes += (groups + 1) * 4  # the groups' scores
+    taken = -(-arena_bytes // kv_bytes_per_token)
+    after = (pool_tokens - taken) // page_size * page_size
+    if after < page_size:
+        raise ValueError(
+            f"the tier's arena takes {taken} of the KV pool's {pool_tokens} tokens; lower "
+            f"--kv-tier-pool-share or raise --mem-fraction-static or --max-total-tokens"
+        )
+    return TierPlan(
+        config,
+        groups,
+        num_layers,
+        kv_heads,
+        head_dim,
+        full_dtype,
+        kv_bytes_per_token,
+        pool_tokens,
+        after,
+        arena_bytes,
+    )
+
+
+# --- hooks ----------------------------------------------------------------------------
+
+
+def _after_resolve_memory_pool_config(pool_config, configurator, *args, **kwargs):
+    """Shrink the KV pool by the tier's arena (``KVCacheConfigurator.
+    _resolve_memory_pool_config``, AFTER)."""
+    if configurator.is_draft_worker:
+        return pool_config
+    STATE.plan = None
+    config = tier_policy(configurator.server_args, configurator.page_size)
+    if config is None:
+        return pool_config
+    tp_size = attention_tp_size(configurator)
+    model_config = configurator.model_config
+    num_layers = configurator.layer_info.num_effective_layers
+    plan = plan_tier(
+        config,
+        pool_tokens=pool_config.max_total_num_tokens,
+        kv_bytes_per_token=kv_bytes_per_token_of(
+            model_config, tp_size, num_layers, configurator.kv_cache_dtype
+        ),
+        num_layers=num_layers,
+        kv_heads=model_config.get_num_kv_heads(tp_size),
+        head_dim=model_config.head_dim,
+        full_dtype=configurator.kv_cache_dtype,
+        page_size=configurator.page_size,
+    )
+    pool_config.max_total_num_tokens = plan.pool_tokens_after
+    STATE.plan = plan
+    logger.info("sglang-evict %s", plan.describe())
+    return pool_config
+
+
+def _after_alloc_memory_pool(result, model_runner, *args, **kwargs):
+    """Allocate the arena after SGLang's pools (``ModelRunner.alloc_memory_pool``)."""
+    plan = STATE.plan
+    if plan is None or model_runner.is_draft_worker:
+        return result
+    from sglang_evict.tier.arena import TierArena
+
+    config = plan.config
+    arena = TierArena(
+        config.tier_format(plan.head_dim),
+        num_groups=plan.num_groups,
+        num_layers=plan.num_layers,
+        kv_heads=plan.kv_heads,
+        full_dtype=plan.full_dtype,
+        device=model_runner.device,
+    )
+    rows = model_runner.req_to_token_pool.req_to_token.shape[0]
+    arena.enable_rows(rows, config.tier_max_tokens // config.tier_group_tokens)
+    STATE.arena = arena
+    return result
+
+
+def attach(manager, model_runner) -> None:
+    """Give the cache's manager this process's arena (the radix-cache factory); refuse
+    an attention backend whose output the tier cannot merge with."""
+    if manager.tier_policy is None:
+        return
+    if model_runner is None:  # CPU drivers carve their own arena (cpu_driver)
+        return
+    backend = type(getattr(model_runner, "attn_backend", None)).__name__
+    if _BACKEND_CLASSES.get(backend) not in TIER_BACKENDS:
+        raise ValueError(
+            f"--kv-tier-bits merges the tier's attention with SGLang's "
+            f"{' or '.join(TIER_BACKENDS)} attention backend only so far; this server runs "
+            f"{backend}: pass --attention-backend torch_native or drop --kv-tier-*"
+        )
+    if STATE.arena is None:
+        raise ValueError(
+            "--kv-tier-bits is set but no tier arena was made when SGLang sized its memory "
+            "pools (a draft or unified-memory pool?); drop --kv-tier-*"
+        )
+    manager.tier_arena = STATE.arena
+
+
+def _after_attention_forward(result, backend, *args, **kwargs):
+    """Merge a decode layer's output with the tier's attention (``AttentionBackend.
+    forward``, AFTER); extend batches: assert they read no tier."""
+    arena = STATE.arena
+    if arena is None:
+        return result
+    named = dict(zip(_FORWARD_ARGS, args, strict=False))
+    q, layer, forward_batch = (named.get(n, kwargs.get(n)) for n in ("q", "layer", "forward_batch"))
+    if q is None or layer is None or forward_batch is None:
+        return result
+    mode = forward_batch.forward_mode
+    if mode.is_decode():
+        return merge_decode(result, q, layer, forward_batch, arena, backend)
+    if mode.is_extend() and arena.device.type == "cpu":
+        rows = forward_batch.req_pool_indices
+        if bool((arena.row_counts[rows] > 0).any()):
+            raise AssertionError(
+                "sglang-evict: an extend batch holds a request with tier groups; the tier is "
+                "filled by decode passes only and given back before a row is reused"
+            )
+    return result
+
+
+def merge_decode(o, q, layer, forward_batch, arena, backend):
+    """``o`` ``[B, Hq * D]`` (``backend``'s attention over each request's full-precision
+    KV) merged with its attention over its tier; requests without a tier unchanged."""
+    from sglang_evict_kernels.tier_attention import merge_attention_states, tier_attention_torch
+
+    rows = forward_batch.req_pool_indices
+    counts = arena.row_counts[rows]
+    on_cpu = arena.device.type == "cpu"
+    if on_cpu and not bool((counts > 0).any()):
+        STATE.calls["decode_without"] += 1
+        return o
+    if getattr(layer, "logit_cap", 0) or (getattr(layer, "sliding_window_size", -1) or -1) > -1:
+        raise RuntimeError(
+            "sglang-evict: the quantized tier does not support attention with a logit cap or "
+            "a sliding window yet; drop --kv-tier-*"
+        )
+    hq, d = layer.tp_q_head_num, layer.qk_head_dim
+    queries = q.reshape(-1, hq, d)
+    b = queries.shape[0]
+    table = arena.row_table[rows]
+    o_tier, lse_tier = tier_attention_torch(
+        queries, arena.stores[layer.layer_id], table, counts, arena.fmt, sm_scale=layer.scaling
+    )
+    lse_full = full_precision_lse(queries, layer, forward_batch, backend)
+    merged, _ = merge_attention_states(
+        o.reshape(b, hq, layer.v_head_dim).float(), lse_full, o_tier, lse_tier
+    )
+    STATE.calls["decode_merged"] += 1
+    return merged.to(o.dtype).reshape(o.shape)
+
+
+def full_precision_lse(queries, layer, forward_batch, backend):
+    """float32 ``[B, Hq]``: the log-sum-exp of each query's scores over the keys
+    ``backend`` attended, ``req_to_token[row, :seq_len]`` (the new token's included)."""
+    seq_lens = forward_batch.seq_lens
+    width = int(forward_batch.seq_lens_cpu.max()) if forward_batch.seq_lens_cpu is not None else 0
+    if width == 0:
+        width = int(seq_lens.max())
+    slots = backend.req_to_token_pool.req_to_token[forward_batch.req_pool_indices, :width]
+    keys = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)[slots.long()]
+    hq, h = layer.tp_q_head_num, layer.tp_k_head_num
+    keys = keys.float().repeat_interleave(hq // h, dim=2)  # [B, L, Hq, D]
+    scores = torch.einsum("bhd,blhd->bhl", queries.float(), keys) * layer.scaling
+    live = torch.arange(width, device=seq_lens.device)[None, :] < seq_lens[:, None]
+    scores = scores.masked_fill(~live[:, None, :], float("-inf"))
+    return torch.logsumexp(scores, dim=-1)
+
+
+def report() -> dict | None:
+    """The tier's part of the plugin's ``get_server_info`` report (None: no tier)."""
+    plan, arena = STATE.plan, STATE.arena
+    if plan is None:
+        return None
+    held = 0 if arena is None else arena.num_groups - arena.free_groups
+    group_tokens = plan.config.tier_group_tokens
+    return {
+        "bits": plan.config.tier_bits,
+        "group_tokens": group_tokens,
+        "num_groups": plan.num_groups,
+        "groups_held": held,
+        "tokens_held": held * group_tokens,
+        "arena_bytes": plan.arena_bytes,
+        "bytes_per_group": plan.arena_bytes // (plan.num_groups + 1),
+        "pool_tokens_before": plan.pool_tokens_before,
+        "pool_tokens_after": plan.pool_tokens_after,
+        "requests_with_tier": 0 if arena is None else len(arena.owned),
+        "hook_calls": dict(STATE.calls),
+    }

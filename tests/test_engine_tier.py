@@ -1,0 +1,90 @@
+"""The quantized tier in SGLang's real engine (CPU, ``torch_native``, overlap scheduler
+on): what a pass does not keep enters the request's tier, and every decode layer's
+attention merges the tier's with the full-precision pages' (``sglang_evict.srt.tier``).
+
+The engine generates exactly what the project's CPU reference loop generates for the
+same checkpoint, prompts and policy: the loop runs the same passes and the same
+quantizer over SGLang's memory classes, and its model merges the tier's attention by
+the torch reference (``reference_model.PagedLlama``). The arena is carved from the KV
+pool SGLang sizes, and every request gives its tier back when it ends."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine_harness import (
+    EngineSpec,
+    assert_clean_after,
+    greedy,
+    load_reference_model,
+    policy_fields,
+    reference_outputs,
+    shared_system_prompts,
+)
+
+pytestmark = pytest.mark.engine
+
+# Groups of 16 tokens, at most 4 per request: with the engine tests' budget (48) and
+# cadence (16) a request of 200 new tokens fills its tier and then gives groups up.
+TIER = dict(tier_group_tokens=16, tier_max_tokens=64, tier_pool_share=0.25, scorer="knorm")
+NEW_TOKENS_BY_PAGE = {1: 200, 4: 120}
+
+
+@pytest.fixture(scope="module")
+def prompts(engine_model):
+    return shared_system_prompts(engine_model)
+
+
+@pytest.fixture(scope="module")
+def tier_model():
+    """The engine tests' model with head dim 64 (the tier's kernels hold 64 and 128;
+    the base model's is 16), same tokenizer."""
+    from sglang_evict.engine_model import ensure_engine_model
+
+    return ensure_engine_model(variant="head_dim64")
+
+
+@pytest.fixture(scope="module")
+def tier_reference(tier_model):
+    return load_reference_model(tier_model)
+
+
+@pytest.mark.parametrize(
+    ("page_size", "bits"),
+    [
+        pytest.param(1, 8, id="page1-8bit", marks=pytest.mark.release_smoke),
+        pytest.param(4, 3, id="page4-3bit"),
+    ],
+)
+def test_engine_outputs_equal_the_reference_loop_with_the_tier(
+    engines, tier_model, tier_reference, prompts, page_size, bits
+):
+    policy = policy_fields(tier_bits=bits, **TIER)
+    engine = engines.get(
+        EngineSpec.plugin(page_size, engine_args={"model_path": str(tier_model)}, **policy)
+    )
+    new_tokens = NEW_TOKENS_BY_PAGE[page_size]
+    before = engine.plugin_state()["tier"]["hook_calls"]["decode_merged"]
+    mark = engine.mark()
+    outputs = engine.generate(prompts, greedy(new_tokens))
+    engine_ids = [out["output_ids"] for out in outputs]
+    expected, result = reference_outputs(
+        tier_reference, prompts, new_tokens, page_size=page_size, policy=policy
+    )
+    demoted = sum(r.tokens_demoted for _, _, r in result.passes)
+    assert demoted >= len(prompts) * TIER["tier_max_tokens"]  # every tier filled
+    for i, (got, want) in enumerate(zip(engine_ids, expected, strict=True)):
+        first = next((t for t, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        assert got == want, f"prompt {i}: engine and reference differ from token {first}"
+    passes = [r for record in engine.pass_records(mark) for r in record["requests"]]
+    assert len(passes) == len(result.passes)
+    tier = engine.plugin_state()["tier"]
+    assert tier["hook_calls"]["decode_merged"] > before  # the merge ran in the engine
+    assert tier["pool_tokens_after"] < tier["pool_tokens_before"]  # carved from the pool
+    assert_clean_after(engine, mark)
+    assert engine.plugin_state()["tier"]["groups_held"] == 0
+    engines.report(
+        f"tier page {page_size} {bits} bits",
+        "passes (engine = reference), tokens demoted, KV pool before -> after the arena",
+        f"{len(passes)}, {demoted}, {tier['pool_tokens_before']} -> {tier['pool_tokens_after']}",
+    )
