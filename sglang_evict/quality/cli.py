@@ -316,6 +316,10 @@ def _eval_tier(args: argparse.Namespace) -> int:
             "peer_candidates",
             args.peer_candidates and tuple(c.strip() for c in args.peer_candidates.split(",")),
         ),
+        (
+            "engine_candidates",
+            args.engine_candidates and tuple(c.strip() for c in args.engine_candidates.split(",")),
+        ),
     ):
         if value:
             base[name] = value
@@ -325,6 +329,8 @@ def _eval_tier(args: argparse.Namespace) -> int:
         base["peers"] = args.peers
     if args.kvpress is not None:
         base["kvpress"] = args.kvpress
+    if args.engine:
+        base["engine"] = True
     settings = dataclasses.replace(frontier.FrontierSettings(), **base)
     from sglang_evict.quality.real.needle import KINDS
 
@@ -337,6 +343,8 @@ def _eval_tier(args: argparse.Namespace) -> int:
         f"candidates at KV bytes {list(settings.fractions)}; needles {list(settings.kinds)}; "
         f"perplexity {'on' if settings.ppl else 'off'}; transformers' quantized cache "
         f"{'on' if settings.peers else 'off'}; kvpress {'on' if settings.kvpress else 'off'}; "
+        f"SGLang's engine "
+        f"{list(settings.engine_candidates) if settings.engine else 'off'}; "
         f"results in {out} (resumed when present)"
     )
     start = time.perf_counter()
@@ -520,6 +528,16 @@ def add_quality_commands(commands) -> None:
     tier.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (24)")
     tier.add_argument("--ppl-length", type=int, default=None, help="perplexity tokens (1024)")
     tier.add_argument("--no-ppl", action="store_true", help="the needle task only")
+    tier.add_argument(
+        "--engine",
+        action="store_true",
+        help="also the needle task through SGLang's engine: plain, eviction and the tier",
+    )
+    tier.add_argument(
+        "--engine-candidates",
+        default=None,
+        help="the engine's candidates, one tier among them (default: evict:rkv,3:32/rkv)",
+    )
     tier.add_argument("--no-progress", action="store_true")
     tier.add_argument(
         "--render-only", action="store_true", help="redraw results.md/png from results.json"

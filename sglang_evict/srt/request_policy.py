@@ -166,18 +166,23 @@ def _before_add_request_to_queue(scheduler, req, *args, **kwargs):
 
 def eviction_report(req, manager) -> dict:
     """What eviction did to ``req`` so far (read before its state is dropped): its
-    policy, passes, tokens evicted and the most KV it held, since it was admitted."""
+    policy, passes, tokens evicted and the most KV it held, since it was admitted; on a
+    server with the tier also the full-precision and tier tokens it holds now."""
     policy = policy_of(req) or manager.default_policy
     passes, evicted, peak = getattr(req, CARRIED_ATTR, (0, 0, 0))
     state = manager.states.get(req.rid)
     kv = req_kv(req)
     held = kv.kv_allocated_len if req.kv is not None else kv.kv_committed_len
-    return {
+    report = {
         **policy.as_dict(),
         "passes": passes + (state.num_passes if state else 0),
         "tokens_evicted": evicted + (state.tokens_evicted if state else 0),
         "peak_kv_tokens": max(peak, state.peak_kv_tokens if state else 0, held),
     }
+    if manager.tier_arena is not None:  # a server with the tier: what it holds now
+        report["kv_tokens_held"] = held
+        report["tier_tokens_held"] = manager.tier_arena.tokens_of(req.rid)
+    return report
 
 
 def settle_report(req, manager) -> dict | None:

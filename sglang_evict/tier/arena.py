@@ -54,13 +54,13 @@ def arena_groups_for_share(
     kv_heads: int,
     full_dtype: torch.dtype,
 ) -> int:
-    """Group slots that ``share`` of ``kv_pool_bytes`` holds (the trash slot included
-    in the bytes)."""
+    """Group slots that ``share`` of ``kv_pool_bytes`` holds (the trash slot and each
+    slot's score included in the bytes)."""
     if not 0.0 < share < 1.0:
         raise ValueError(
             f"--kv-tier-pool-share {share}: the share of the KV memory the tier takes, in (0, 1)"
         )
-    per_group = group_bytes(fmt, num_layers, kv_heads, full_dtype)
+    per_group = group_bytes(fmt, num_layers, kv_heads, full_dtype) + 4  # float32 score
     return max(0, math.floor(share * kv_pool_bytes / per_group) - 1)
 
 

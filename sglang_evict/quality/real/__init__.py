@@ -16,6 +16,8 @@ SmolLM2-135M-Instruct
 |               | a candidate spends them, one needle answer    | prompt -> answer, bytes held   |
 |               | through the paged reference path              |                                |
 | frontier_run  | ``eval-tier``: settings, resumable results    | settings -> results.json       |
+| frontier_engine | the frontier's needles through SGLang's     | samples, candidates ->         |
+|               | engine: plain, eviction, the tier             | answers, bytes held            |
 | frontier_report | its tables, the frontier plot, the rule     | results.json -> .md, .png      |
 |               | that picks the tier's defaults                |                                |
 | qcache        | the job transformers' quantized cache runs,   | token ids -> peer rows,        |

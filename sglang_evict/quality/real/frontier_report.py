@@ -325,6 +325,23 @@ def render_markdown(results: dict) -> str:
             f"| {r['candidate']} | {asked} | {r['held_fraction']:.3f} | {r['accuracy']:.2f} | "
             f"{per_kind} | {r['prompts']} |"
         )
+    if results.get("engine_needle"):
+        from sglang_evict.quality.real import frontier_engine
+
+        new_tokens = (results.get("settings") or {}).get("max_new_tokens", 24)
+        lines += [
+            "",
+            "### The same prompts through SGLang's engine",
+            "",
+            "`eval-tier --engine`: plain SGLang, and one plugin engine with the tier on in "
+            "which every request brings its own split of the bytes (`custom_params`); "
+            "bytes held read off each request's report when it ends "
+            "(`quality.real.frontier_engine`).",
+            "",
+            frontier_engine.markdown(
+                frontier_engine.summarise(results["engine_needle"], new_tokens)
+            ),
+        ]
     lines += ["", "## Decode-time perplexity", ""]
     lines.append("| candidate | bytes | perplexity | vs full | budget | tier bound |")
     lines.append("| --- | ---: | ---: | ---: | ---: | ---: |")

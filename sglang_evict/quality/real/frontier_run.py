@@ -24,6 +24,7 @@ from sglang_evict.quality.real.frontier import (
     needle_answer,
     spend,
 )
+from sglang_evict.quality.real.frontier_engine import ENGINE_CANDIDATES
 from sglang_evict.real_model import WEIGHTS_NOTE
 
 RESULTS_FORMAT = "sglang-evict/tier-frontier"
@@ -63,12 +64,14 @@ class FrontierSettings:
     kvpress: bool = True  # kvpress's presses at the frontier's fractions (``_kvpress``)
     kvpress_presses: tuple[str, ...] = KVPRESS_NEEDLE_PRESSES
     kvpress_decoding: tuple[str, ...] = KVPRESS_DECODING_PRESSES
+    engine: bool = False  # the needle task through SGLang's engine too (``frontier_engine``)
+    engine_candidates: tuple[str, ...] = ENGINE_CANDIDATES
 
     def __post_init__(self) -> None:
         from sglang_evict.scorers import SCORERS
         from sglang_evict_kernels.tier_format import TierFormat
 
-        for text in (*self.candidates, *self.peer_candidates):
+        for text in (*self.candidates, *self.peer_candidates, *self.engine_candidates):
             candidate = Candidate.parse(text)
             if candidate.scorer not in SCORERS:
                 raise ValueError(
@@ -156,6 +159,23 @@ def run(model_path: Path, text_path: Path, out: Path, settings: FrontierSettings
         _peers(model, tokenizer, shape, peer_inputs, settings, results, path, progress)
     if settings.kvpress:
         _kvpress(model_path, samples, sequences, settings, results, path, progress)
+    if settings.engine:
+        from sglang_evict.quality.real.frontier_engine import run_engine_needles
+
+        run_engine_needles(
+            model_path,
+            tokenizer,
+            samples,
+            shape,
+            settings,
+            results,
+            lambda: save(results, path),
+            page_size=PAGE_SIZE,
+            sink_tokens=SINK_TOKENS,
+            window_tokens=WINDOW_TOKENS,
+            progress=progress,
+            log_dir=out,
+        )
     results["wall_s"] = round(results.get("wall_s", 0.0) + time.perf_counter() - started, 1)
     save(results, path)
     return results

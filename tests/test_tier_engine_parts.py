@@ -1,0 +1,130 @@
+"""The tier's engine parts that need no engine: the arena's row tables (what the decode
+step's attention reads by request-pool row), the arena's carve from SGLang's KV pool
+(``srt.tier.plan_tier``), and how ``eval-tier --engine`` plans its requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_evict.config import EvictionConfig
+from sglang_evict.tier.arena import TierArena
+from sglang_evict_kernels.tier_format import TierFormat
+
+
+def arena_with_rows(num_groups=6, rows=4, width=3):
+    fmt = TierFormat(bits=3, group_tokens=16, head_dim=64)
+    arena = TierArena(
+        fmt, num_groups=num_groups, num_layers=2, kv_heads=1, full_dtype=torch.float32
+    )
+    arena.enable_rows(rows, width)
+    return arena
+
+
+def test_a_rows_table_lists_its_requests_slots_and_an_ended_request_leaves_none():
+    arena = arena_with_rows()
+    arena.take("a", 2, row=1)
+    arena.take("b", 1, row=3)
+    arena.check()
+    assert arena.row_counts.tolist() == [0, 2, 0, 1]
+    assert sorted(arena.row_table[1, :2].tolist()) == sorted(arena.groups_of("a"))
+    arena.take("a", 1, row=1)  # a later pass adds a group
+    arena.check()
+    assert arena.row_counts[1] == 3
+    arena.release("a")
+    arena.check()
+    assert arena.row_counts.tolist() == [0, 0, 0, 1]
+    arena.take("c", 2, row=1)  # the row reused by a new request
+    arena.check()
+    assert sorted(arena.row_table[1, :2].tolist()) == sorted(arena.groups_of("c"))
+
+
+def test_the_row_check_catches_a_table_that_disagrees_with_the_owners():
+    arena = arena_with_rows()
+    arena.take("a", 2, row=0)
+    arena.row_counts[0] = 1
+    with pytest.raises(AssertionError, match="row 0 lists 1 tier groups"):
+        arena.check()
+    arena.row_counts[0] = 2
+    arena.row_table[0, 0] = arena.trash
+    with pytest.raises(AssertionError, match="row 0's tier table differs"):
+        arena.check()
+
+
+def test_a_request_past_its_rows_width_is_refused():
+    arena = arena_with_rows(width=1)
+    with pytest.raises(AssertionError, match="its row 1"):
+        arena.take("a", 2, row=0)
+
+
+def tier_config(**overrides) -> EvictionConfig:
+    fields = dict(kv_budget_tokens=256, tier_bits=3, tier_group_tokens=32, tier_max_tokens=256)
+    fields.update(overrides)
+    return EvictionConfig(**fields)
+
+
+def test_the_arena_is_carved_from_the_pool_in_whole_pages():
+    from sglang_evict.srt.tier import plan_tier
+    from sglang_evict.tier.arena import group_bytes
+
+    config = tier_config(tier_pool_share=0.25)
+    per_token = 2 * 30 * 3 * 64 * 2  # SmolLM2: 30 layers, 3 KV heads, head dim 64, bf16
+    plan = plan_tier(
+        config,
+        pool_tokens=20_000,
+        kv_bytes_per_token=per_token,
+        num_layers=30,
+        kv_heads=3,
+        head_dim=64,
+        full_dtype=torch.bfloat16,
+        page_size=16,
+    )
+    fmt = config.tier_format(64)
+    assert plan.arena_bytes == (plan.num_groups + 1) * (group_bytes(fmt, 30, 3, torch.bfloat16) + 4)
+    assert plan.arena_bytes <= 0.25 * 20_000 * per_token
+    assert plan.pool_tokens_after % 16 == 0
+    taken = plan.pool_tokens_before - plan.pool_tokens_after
+    assert taken * per_token >= plan.arena_bytes > (taken - 16) * per_token
+    assert "KV pool 20000 ->" in plan.describe()
+
+
+def test_a_share_that_holds_no_group_is_refused_naming_the_flag():
+    from sglang_evict.srt.tier import plan_tier
+
+    with pytest.raises(ValueError, match=r"--kv-tier-pool-share 0\.01 of a 64-token KV pool"):
+        plan_tier(
+            tier_config(tier_pool_share=0.01),
+            pool_tokens=64,
+            kv_bytes_per_token=23_040,
+            num_layers=30,
+            kv_heads=3,
+            head_dim=64,
+            full_dtype=torch.bfloat16,
+            page_size=16,
+        )
+
+
+def test_the_engine_frontier_serves_every_requests_split_with_one_tier_format():
+    from types import SimpleNamespace
+
+    from sglang_evict.quality.real.frontier import Candidate, Shape
+    from sglang_evict.quality.real.frontier_engine import (
+        _tier_candidate,
+        plan_requests,
+        server_config,
+    )
+
+    shape = Shape(num_layers=30, num_kv_heads=3, head_dim=64)
+    samples = [SimpleNamespace(prompt_ids=list(range(n)), key=f"s{n}") for n in (700, 1100)]
+    candidates = [Candidate.parse("evict:rkv"), Candidate.parse("3:32/rkv")]
+    plans = plan_requests(samples, candidates, (0.25, 0.125), shape, min_budget=37)
+    assert len(plans) == 2 + 2 * 2 * 2  # plain, then candidates x fractions per sample
+    config = server_config(candidates[1], plans, page_size=16, sink_tokens=4, window_tokens=32)
+    spends = [p[3] for p in plans if p[3] is not None]
+    assert config.kv_budget_tokens == max(s.budget_tokens for s in spends)
+    assert config.tier_max_tokens >= max(s.tier_tokens for s in spends)
+    assert config.tier_max_tokens % 32 == 0 and config.tier_bits == 3
+    for _, _, fraction, spent, _ in plans[2:]:
+        assert spent.fraction <= fraction + 1e-9  # never above the bytes asked
+    with pytest.raises(ValueError, match="exactly one tier candidate"):
+        _tier_candidate([candidates[0], Candidate.parse("2:32"), candidates[1]])
