@@ -207,6 +207,32 @@ def _redis_url(args: argparse.Namespace) -> tuple[str | None, str]:
     return url, hint
 
 
+def _tier_bytes_line(config, model) -> str | None:
+    """The dry run's line on what one request holds at most under the tier (None: no
+    tier, or the model's shape is not known)."""
+    hf = getattr(model, "hf_text_config", None)
+    if config.tier_bits is None or hf is None:
+        return None
+    from sglang_evict.scorers.triattention_stats import model_shape_of
+    from sglang_evict.tier.policy import TierPolicy, full_bytes_per_token, max_kv_bytes
+
+    shape = model_shape_of(hf)
+    kv_heads = int(getattr(hf, "num_key_value_heads", None) or shape.num_q_heads)
+    fmt = config.tier_format(shape.head_dim)
+    args = dict(layers=shape.num_layers, kv_heads=kv_heads, full_dtype=torch.bfloat16)
+    full = config.kv_budget_tokens + config.cadence_tokens
+    most = max_kv_bytes(
+        max_full_tokens=full, policy=TierPolicy(fmt, config.tier_max_tokens), **args
+    )
+    per_token = full_bytes_per_token(fmt, **args)
+    return (
+        f"# per request at most: {full} full-precision tokens (budget + cadence) and "
+        f"{config.tier_max_tokens} tier tokens at {config.tier_bits} bits = "
+        f"{most / 2**20:.2f} MiB (bfloat16 accounting; its protected prompt aside), the "
+        f"bytes of {most / per_token:.0f} full-precision tokens"
+    )
+
+
 def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
     import shlex
 
@@ -245,6 +271,9 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
     if args.dry_run:
         architectures = ", ".join(model.architectures) or "?"
         print(f"# checks passed: policy, SGLang flags, model {model.path} ({architectures})")
+        bytes_line = _tier_bytes_line(config, model)
+        if bytes_line:
+            print(bytes_line)
         if redis_line:
             print(redis_line)
         print(f"export {CONFIG_ENV}={shlex.quote(config.to_json())}")

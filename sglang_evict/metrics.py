@@ -44,6 +44,12 @@ PASS_GRAPH_REPLAYS_TOTAL = "sglang_evict:pass_graph_replays_total"
 PASS_GRAPH_MISSES_TOTAL = "sglang_evict:pass_graph_misses_total"
 # The group size of passes (``--kv-pass-group-steps``; chosen by the server with auto).
 PASS_GROUP_STEPS = "sglang_evict:pass_group_steps"
+# The quantized tier (``--kv-tier-bits``): tokens and bytes its arena holds now, tokens
+# passes quantized into it (whole groups), and tokens it gave up (evicted beyond it).
+TIER_TOKENS = "sglang_evict:tier_tokens"
+TIER_BYTES = "sglang_evict:tier_bytes"
+TIER_TOKENS_QUANTIZED_TOTAL = "sglang_evict:tier_tokens_quantized_total"
+TIER_TOKENS_DROPPED_TOTAL = "sglang_evict:tier_tokens_dropped_total"
 
 # Host time of one batched pass (every due request of a decode step): benches/bench_pass.py
 # measures 0.3-30 ms on CPU tensors (the device work included there), less on a GPU host.
@@ -106,6 +112,10 @@ class EvictionMetrics:
     graph_replays: Any
     graph_misses: Any
     group_steps: Any
+    tier_tokens: Any
+    tier_bytes: Any
+    tier_tokens_quantized: Any
+    tier_tokens_dropped: Any
     scorer: str
     _fallbacks_seen: int = 0
     _release_failures_seen: int = 0
@@ -200,6 +210,28 @@ class EvictionMetrics:
                 registry=registry,
                 multiprocess_mode="max",
             ),
+            tier_tokens=Gauge(
+                TIER_TOKENS,
+                "Tokens the quantized tier holds (every running request)",
+                registry=registry,
+                multiprocess_mode="max",
+            ),
+            tier_bytes=Gauge(
+                TIER_BYTES,
+                "Bytes of the quantized tier's groups in use (every layer)",
+                registry=registry,
+                multiprocess_mode="max",
+            ),
+            tier_tokens_quantized=Counter(
+                TIER_TOKENS_QUANTIZED_TOTAL.removesuffix("_total"),
+                "Tokens passes quantized into the tier (whole groups)",
+                registry=registry,
+            ),
+            tier_tokens_dropped=Counter(
+                TIER_TOKENS_DROPPED_TOTAL.removesuffix("_total"),
+                "Tokens a full tier gave up (evicted beyond the tier)",
+                registry=registry,
+            ),
             scorer=scorer,
         )
 
@@ -225,6 +257,10 @@ class EvictionMetrics:
             acc[1] += result.tokens_evicted
             acc[2] += result.pages_freed
             acc[3].observe(result.tokens_before / result.budget_tokens)
+        demoted = sum(r.tokens_demoted for r in results)
+        if demoted:
+            self.tier_tokens_quantized.inc(demoted)
+            self.tier_tokens_dropped.inc(sum(r.tokens_dropped for r in results))
         for scorer, (passes, evicted, freed, _) in sums.items():
             self._child(self.passes, strategy, scorer).inc(passes)
             if pressure:
@@ -277,6 +313,11 @@ class EvictionMetrics:
                 self.graph_misses.inc(graphs.misses - self._misses_seen)
                 self._misses_seen = graphs.misses
         self.group_steps.set(manager.pass_group_steps)
+        arena = manager.tier_arena
+        if arena is not None:
+            held = arena.num_groups - arena.free_groups
+            self.tier_tokens.set(held * arena.fmt.group_tokens)
+            self.tier_bytes.set(held * arena.nbytes() // (arena.num_groups + 1))
 
     def record_compactor(self, compactor: Any) -> None:
         """Sidecar health and fallbacks of a ``FallbackCompactor`` (no-op otherwise)."""

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.engine
 # Groups of 16 tokens, at most 4 per request: with the engine tests' budget (48) and
 # cadence (16) a request of 200 new tokens fills its tier and then gives groups up.
 TIER = dict(tier_group_tokens=16, tier_max_tokens=64, tier_pool_share=0.25, scorer="knorm")
-NEW_TOKENS_BY_PAGE = {1: 200, 4: 120}
+NEW_TOKENS_BY_PAGE = {1: 140, 4: 100}
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +88,31 @@ def test_engine_outputs_equal_the_reference_loop_with_the_tier(
         "passes (engine = reference), tokens demoted, KV pool before -> after the arena",
         f"{len(passes)}, {demoted}, {tier['pool_tokens_before']} -> {tier['pool_tokens_after']}",
     )
+
+
+def test_each_request_brings_its_own_tier_and_equals_the_reference_loop(
+    engines, tier_model, tier_reference, prompts
+):
+    """``custom_params``: the first request runs no tier (eviction alone), the others
+    a tier of 32 tokens (the server's 64); the engine equals the reference loop given
+    the same per-request policies, and the tier-less request's passes demote nothing."""
+    policy = policy_fields(tier_bits=8, **TIER)
+    engine = engines.get(
+        EngineSpec.plugin(1, engine_args={"model_path": str(tier_model)}, **policy)
+    )
+    custom = [{"sglang_evict": {"tier_tokens": 0 if i == 0 else 32}} for i in range(len(prompts))]
+    new_tokens = 120
+    mark = engine.mark()
+    outputs = engine.generate(prompts, [greedy(new_tokens, custom_params=c) for c in custom])
+    expected, result = reference_outputs(
+        tier_reference, prompts, new_tokens, page_size=1, policy=policy, custom_params=custom
+    )
+    assert [o["output_ids"] for o in outputs] == expected
+    demoted = {}
+    for rid, _, r in result.passes:
+        demoted[rid] = demoted.get(rid, 0) + r.tokens_demoted
+    assert demoted.get("r0", 0) == 0 and all(demoted[f"r{i}"] > 0 for i in range(1, len(prompts)))
+    reports = [o["meta_info"]["sglang_evict"] for o in outputs]
+    assert reports[0]["tier_tokens_held"] == 0
+    assert all(0 < r["tier_tokens_held"] <= 32 for r in reports[1:])
+    assert_clean_after(engine, mark)

@@ -128,3 +128,73 @@ def test_the_engine_frontier_serves_every_requests_split_with_one_tier_format():
         assert spent.fraction <= fraction + 1e-9  # never above the bytes asked
     with pytest.raises(ValueError, match="exactly one tier candidate"):
         _tier_candidate([candidates[0], Candidate.parse("2:32"), candidates[1]])
+
+
+def test_the_metrics_report_the_tiers_tokens_bytes_and_quantized_tokens():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from sglang_evict.metrics import EvictionMetrics
+    from sglang_evict.passes.state import PassResult
+
+    registry = CollectorRegistry()
+    metrics = EvictionMetrics.create("knorm", registry)
+    arena = arena_with_rows()
+    arena.take("a", 2, row=0)
+    manager = SimpleNamespace(
+        failures=SimpleNamespace(streak=0),
+        lease=SimpleNamespace(release_failures=0),
+        forced_completions=0,
+        compactor=None,
+        graphs=None,
+        pass_group_steps=1,
+        tier_arena=arena,
+    )
+    metrics.record_manager(manager)
+    assert registry.get_sample_value("sglang_evict:tier_tokens") == 2 * 16
+    per_group = arena.nbytes() // (arena.num_groups + 1)
+    assert registry.get_sample_value("sglang_evict:tier_bytes") == 2 * per_group
+    result = PassResult(
+        rid="a",
+        tokens_before=80,
+        tokens_after=48,
+        pages_freed=0,
+        strategy="hole_fill",
+        protected_over_budget=False,
+        duration_s=0.001,
+        batch_slot_copies=torch.zeros(1, dtype=torch.int64),
+        batch_index=0,
+        bytes_per_slot=8,
+        scorer="knorm",
+        budget_tokens=48,
+        tokens_demoted=32,
+        tokens_dropped=16,
+    )
+    metrics.record_batch([result], 0.001)
+    assert registry.get_sample_value("sglang_evict:tier_tokens_quantized_total") == 32
+    assert registry.get_sample_value("sglang_evict:tier_tokens_dropped_total") == 16
+
+
+def test_the_dry_runs_bytes_line_adds_the_full_bound_and_a_full_tier():
+    from types import SimpleNamespace
+
+    from sglang_evict.cli import _tier_bytes_line
+    from sglang_evict.tier.policy import full_bytes_per_token, tier_bytes_per_token
+
+    hf = SimpleNamespace(
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        hidden_size=576,
+        head_dim=64,
+        rope_theta=100000.0,
+    )
+    config = tier_config(kv_budget_tokens=256, cadence_tokens=128, tier_max_tokens=1024)
+    line = _tier_bytes_line(config, SimpleNamespace(hf_text_config=hf))
+    fmt = config.tier_format(64)
+    full = full_bytes_per_token(fmt, 30, 3, torch.bfloat16)
+    tier = tier_bytes_per_token(fmt, 30, 3, torch.bfloat16)
+    most = (256 + 128 + 32 - 1) * full + 1024 * tier
+    assert f"= {most / 2**20:.2f} MiB" in line and f"{most / full:.0f} full-precision" in line
+    assert _tier_bytes_line(tier_config(tier_bits=None), SimpleNamespace(hf_text_config=hf)) is None
