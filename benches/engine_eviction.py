@@ -15,6 +15,11 @@ host process (``sglang_evict.srt.engine_runner``):
             (--kv-pass-cuda-graph); without it passes run eagerly
             (--no-kv-pass-cuda-graph), so --modes off,on:1,on:1+graph,on:auto+graph
             compares eager, replayed and auto-grouped passes in one run
+    +tier   suffix of an ``on`` mode: the quantized tier on (--tier-bits, --tier-group,
+            --tier-tokens): what a pass does not keep enters the tier, and every decode
+            layer merges the tier's attention (``torch_native`` only so far: a CPU run,
+            ``--device cpu --attention-backend torch_native``), so --modes plain,on,on+tier
+            compares plain SGLang, eviction and the tier in one run
 
 ``--paired`` adds, inside every ``on`` mode's engine, the same generation with every
 request turning eviction off for itself (``custom_params`` ``{"enabled": false}``,
@@ -128,11 +133,11 @@ def parse_modes(text: str) -> list[str]:
         if name in ("plain", "off") and not group and not suffix:
             continue
         group_ok = not group or group == "auto" or (group.isdigit() and int(group) >= 1)
-        if name == "on" and group_ok and suffix in ("", "graph"):
+        if name == "on" and group_ok and suffix in ("", "graph", "tier"):
             continue
         raise ValueError(
             f"--modes: {mode!r} is not one of plain, off, on, on:N (N >= 1 decode steps), "
-            f"on:auto, each on mode optionally +graph"
+            f"on:auto, each on mode optionally +graph or +tier"
         )
     if not modes or len(set(modes)) != len(modes):
         raise ValueError(f"--modes: give each mode once, at least one: {text!r}")
@@ -160,6 +165,15 @@ def policy_for(args: argparse.Namespace, mode: str) -> dict | None:
         "pass_group_steps": group_steps(args, mode),
         "pass_cuda_graph": mode.endswith("+graph"),
         "request_allow_disable": bool(args.paired) and mode.startswith("on"),
+        **(
+            {
+                "tier_bits": args.tier_bits,
+                "tier_group_tokens": args.tier_group,
+                "tier_max_tokens": args.tier_tokens,
+            }
+            if mode.endswith("+tier")
+            else {}
+        ),
     }
 
 
@@ -293,6 +307,9 @@ def main(argv=None) -> int:
         help="in each on mode's engine, also generate with eviction off per request, "
         "alternating (module docstring)",
     )
+    parser.add_argument("--tier-bits", type=int, default=3, help="+tier modes: bits")
+    parser.add_argument("--tier-group", type=int, default=32, help="+tier modes: group tokens")
+    parser.add_argument("--tier-tokens", type=int, default=1024, help="+tier modes: bound")
     parser.add_argument("--cuda-graph", choices=["off", "default"], default="default")
     parser.add_argument("--no-overlap", action="store_true", help="overlap scheduler off")
     parser.add_argument("--attention-backend", default="triton")

@@ -390,7 +390,7 @@ def test_metrics_of_one_pass_count_each_requests_scorer_and_budget():
 
 def test_metric_names_never_reuse_sglangs_namespace():
     names = [v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)]
-    assert len(names) == 17 and all(name.startswith("sglang_evict:") for name in names)
+    assert len(names) == 21 and all(name.startswith("sglang_evict:") for name in names)
 
 
 def test_decode_hook_replaces_batch_lengths_keeping_their_dtypes():
