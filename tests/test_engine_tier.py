@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_evict.request_policy import report_of
 from tests.engine_harness import (
     EngineSpec,
     assert_clean_after,
@@ -112,7 +113,7 @@ def test_each_request_brings_its_own_tier_and_equals_the_reference_loop(
     for rid, _, r in result.passes:
         demoted[rid] = demoted.get(rid, 0) + r.tokens_demoted
     assert demoted.get("r0", 0) == 0 and all(demoted[f"r{i}"] > 0 for i in range(1, len(prompts)))
-    reports = [o["meta_info"]["sglang_evict"] for o in outputs]
+    reports = [report_of(o["meta_info"]) for o in outputs]
     assert reports[0]["tier_tokens_held"] == 0
     assert all(0 < r["tier_tokens_held"] <= 32 for r in reports[1:])
     assert_clean_after(engine, mark)
