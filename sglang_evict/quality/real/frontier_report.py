@@ -343,8 +343,11 @@ def render_markdown(results: dict) -> str:
             ),
         ]
     lines += ["", "## Decode-time perplexity", ""]
-    lines.append("| candidate | bytes | perplexity | vs full | budget | tier bound |")
-    lines.append("| --- | ---: | ---: | ---: | ---: | ---: |")
+    if not results.get("perplexity"):
+        lines.append("Not measured in this run (`--no-ppl`).")
+    else:
+        lines.append("| candidate | bytes | perplexity | vs full | budget | tier bound |")
+        lines.append("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in perplexity_table(results):
         asked = "1" if r["fraction"] is None else f"{r['spent_fraction']:.3f}"
         relative = "" if r["relative"] is None else f"{r['relative']:.3f}"
@@ -366,7 +369,9 @@ def render_markdown(results: dict) -> str:
     lines += _kvpress_markdown(results)
     rule = apply_rule(results)
     lines += ["", "## The rule (docs/quality.md)", ""]
-    if rule["choice"] is None:
+    if not results.get("perplexity"):
+        lines.append("Not applied: the rule reads perplexity too, not measured in this run.")
+    elif rule["choice"] is None:
         lines.append("No tier candidate at 1/4 of the bytes in these results.")
     else:
         verdict = "eligible" if rule["met"] else "none eligible: the most accurate"
@@ -429,6 +434,20 @@ def plot(results: dict, path: Path) -> bool:
                 s=18,
                 label="kvpress presses",
             )
+        engine = _engine_points(results) if axis is left else []
+        if engine:
+            for name, x, y in engine:
+                axis.scatter([x], [y], marker="D", s=30, facecolors="none", edgecolors="tab:green")
+                axis.annotate(f"{name} (engine)", (x, y), fontsize=6, color="tab:green")
+            axis.scatter(
+                [],
+                [],
+                marker="D",
+                facecolors="none",
+                edgecolors="tab:green",
+                label="through SGLang's engine",
+            )
+            widest = max(widest, *(x for _, x, _ in engine))
         if axis is right:  # a peer far above is drawn at the top with its value
             top = max([1.2] + [row[y_name] for row in table if row[y_name] is not None])
             axis.set_ylim(0.98, top + 0.02)
@@ -453,6 +472,21 @@ def plot(results: dict, path: Path) -> bool:
     figure.suptitle(f"eviction and the quantized tier at equal bytes ({results.get('weights')})")
     save_figure(plt, figure, path)
     return True
+
+
+def _engine_points(results: dict) -> list[tuple[str, float, float]]:
+    """``(candidate, bytes held at the end, needles)`` of the engine's evicting rows."""
+    answers = results.get("engine_needle")
+    if not answers:
+        return []
+    from sglang_evict.quality.real import frontier_engine
+
+    new_tokens = (results.get("settings") or {}).get("max_new_tokens", 24)
+    return [
+        (row["candidate"], row["held_fraction_at_end"], row["needles"])
+        for row in frontier_engine.summarise(answers, new_tokens)
+        if row["candidate"] != "full"
+    ]
 
 
 def render(out: Path) -> tuple[Path, Path | None]:
