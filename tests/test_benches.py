@@ -41,7 +41,7 @@ def test_engine_script_modes_compare_pass_groups_in_one_run(capsys):
     assert bench.parse_modes("plain,off,on,on:1,on:32") == ["plain", "off", "on", "on:1", "on:32"]
     args = bench.argparse.Namespace(
         pass_group_steps=4, budget=512, cadence=64, scorer="knorm", compaction="hole_fill",
-        window=32, paired=True,
+        window=32, paired=True, tier_bits=3, tier_group=32, tier_tokens=256,
     )  # fmt: skip
     assert [bench.group_steps(args, m) for m in ("on", "on:1", "on:32", "off")] == [4, 1, 32, 4]
     assert bench.policy_for(args, "plain") is None
@@ -51,7 +51,12 @@ def test_engine_script_modes_compare_pass_groups_in_one_run(capsys):
     # --paired: the evicting servers let a request turn eviction off for itself
     assert bench.policy_for(args, "on:32")["request_allow_disable"] is True
     assert bench.policy_for(args, "off")["request_allow_disable"] is False
-    for bad in ("on:0", "on:x", "off:2", "evict", "on,on", ""):
+    # +tier: the same eviction with the quantized tier on
+    assert bench.parse_modes("on,on+tier") == ["on", "on+tier"]
+    tier = bench.policy_for(args, "on+tier")
+    assert (tier["tier_bits"], tier["tier_group_tokens"], tier["tier_max_tokens"]) == (3, 32, 256)
+    assert "tier_bits" not in bench.policy_for(args, "on")
+    for bad in ("on:0", "on:x", "off:2", "evict", "on,on", "", "off+tier", "on+tier+graph"):
         with pytest.raises(ValueError, match="--modes"):
             bench.parse_modes(bad)
         with pytest.raises(SystemExit) as exit_:
