@@ -198,3 +198,14 @@ def test_the_dry_runs_bytes_line_adds_the_full_bound_and_a_full_tier():
     most = (256 + 128 + 32 - 1) * full + 1024 * tier
     assert f"= {most / 2**20:.2f} MiB" in line and f"{most / full:.0f} full-precision" in line
     assert _tier_bytes_line(tier_config(tier_bits=None), SimpleNamespace(hf_text_config=hf)) is None
+
+
+def test_the_idle_check_names_a_tier_that_holds_groups_or_breaks_an_invariant():
+    from sglang_evict.srt.introspection import tier_problem
+
+    arena = arena_with_rows()
+    assert tier_problem(None) is None and tier_problem(arena) is None
+    arena.take("a", 1, row=2)
+    assert "holds groups of ['a'] while the scheduler is idle" in tier_problem(arena)
+    arena.row_counts[2] = 0
+    assert "breaks an invariant while idle: row 2 lists 0" in tier_problem(arena)
