@@ -99,8 +99,9 @@ def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None
     tier = parser.add_argument_group(
         "quantized tier",
         "keep at low precision what a pass would evict, evict only beyond the tier "
-        "(docs/architecture.md). The paged reference path runs it so far (eval-tier); "
-        "serve, demo and simulate refuse these flags until SGLang's engine does",
+        "(docs/architecture.md). eval-tier runs it, and serve in SGLang's engine with "
+        "--attention-backend torch_native (docs/serving.md); demo and simulate refuse "
+        "these flags",
     )
     tier.add_argument(
         "--kv-tier-bits",
@@ -378,11 +379,11 @@ def scorer_params(pairs: list[str]) -> dict:
 
 
 def refuse_tier_in_engine(config: EvictionConfig, command: str) -> None:
-    """The tier runs in the paged reference path so far: a command that would run it in
-    SGLang's engine (or ignore it) refuses ``--kv-tier-*`` in one line."""
+    """``demo`` and ``simulate`` do not run the tier: they refuse ``--kv-tier-*`` in one
+    line rather than ignore it."""
     if config.tier_bits is not None:
         raise ValueError(
-            f"--kv-tier-bits: the quantized tier runs in the paged reference path so far "
-            f"(sglang-evict eval-tier; MemoryDriver in Python); SGLang's engine does not "
-            f"merge its attention yet, so {command} refuses it: drop --kv-tier-*"
+            f"--kv-tier-bits: {command} does not run the quantized tier yet (sglang-evict "
+            f"eval-tier and serve --attention-backend torch_native do), so {command} "
+            f"refuses it: drop --kv-tier-*"
         )
