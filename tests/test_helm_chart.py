@@ -73,6 +73,10 @@ EVICTION_METRICS = {
     "sglang_evict:pass_graph_replays_total",
     "sglang_evict:pass_graph_misses_total",
     "sglang_evict:pass_group_steps",
+    "sglang_evict:tier_tokens",
+    "sglang_evict:tier_bytes",
+    "sglang_evict:tier_tokens_quantized_total",
+    "sglang_evict:tier_tokens_dropped_total",
 }
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
