@@ -1,32 +1,42 @@
 """Memory-bound serving in SGLang's real engine: how many long generations run at once
-when the pool, not the batch size, is the limit.
+when the pool, not the batch size, is the limit, and what each configuration keeps of
+the answers.
 
-One run starts three engines, one after another over the same checkpoint (the model
-``sglang-evict demo`` builds offline), pool and workload, and gives each the machine
-alone:
+One run starts up to four engines, one after another over the same checkpoint, pool
+and workload, and gives each the machine alone:
 
     plain      SGLang as shipped (no --radix-cache-backend)
     evict      --radix-cache-backend sglang-evict --kv-admission sglang: eviction, with
                SGLang's admission arithmetic (it reserves the rest of max_new_tokens)
     bounded    --radix-cache-backend sglang-evict (--kv-admission bounded, the default):
                admission sees each evicting request's bounded KV
+    tier       bounded, with the quantized tier (--kv-tier-bits ...): what a pass would
+               evict is kept at 2-4 bits in an arena carved from the same pool
 
-The pool holds about ``--pool-requests`` full-length requests (prompt + max_new_tokens);
-``--requests`` requests each generate ``--new-tokens`` tokens (EOS ignored), many times
-the budget. Everything reported is read off SGLang: its decode log every step
-(``#running-req``, ``#token``, ``#queue-req``), each output's ``meta_info``
-(``num_retractions``, ``finish_reason``) and its idle memory check (strict, SGLang's
-default: an engine whose check fails dies, and the bench says so). Steady state: the
-decode steps with requests waiting in the queue (admission is what limits them).
+Eviction and the tier hold the same KV bytes per request: ``--kv-fraction`` (1/4 by
+default) of a full-length request's (prompt + max_new_tokens), split as the frontier
+splits them (``memory_bound_setup``). The pool holds about ``--pool-requests``
+full-length requests; ``--requests`` requests each generate ``--new-tokens`` tokens
+(EOS ignored), many times the budget. Everything reported is read off SGLang: its
+decode log every step (``#running-req``, ``#token``, ``#queue-req``), each output's
+``meta_info`` (``num_retractions``, ``finish_reason``, the plugin's per-request
+report) and its idle memory check (strict, SGLang's default: an engine whose check
+fails dies, and the bench says so). Steady state: the decode steps with requests
+waiting in the queue (admission is what limits them).
 
-    python3 benches/bench_memory_bound.py                 # about 4 minutes on 2 cores
-    python3 benches/bench_memory_bound.py --requests 32 --new-tokens 256   # shorter
+On the real model (``--model smollm2``; weights 4-bit Q4_1 dequantised) each engine
+then answers ``--needles`` needle prompts (the essays, about a full-length request
+long) under the same server configuration, so throughput and quality are read off one
+table:
+
+    python3 benches/bench_memory_bound.py                  # tiny model, ~6 min on 2 cores
+    python3 benches/bench_memory_bound.py --model smollm2 --runs plain,bounded,tier
 
 It prints a table and the ratios against plain SGLang, writes ``--json`` and a plot
-(``--plot``: running requests and KV held over time, the three side by side), and
-checks that eviction with and without budget-aware admission produced the same tokens
-for every request, and that the first ``--check-alone`` requests produce them run one
-at a time: admission changes when a request runs, not what it produces.
+(``--plot``: running requests and KV held over time, side by side), and checks that
+eviction with and without budget-aware admission produced the same tokens for every
+request, and that the first ``--check-alone`` requests produce them run one at a time:
+admission changes when a request runs, not what it produces.
 """
 
 from __future__ import annotations
@@ -38,29 +48,96 @@ import threading
 import time
 from pathlib import Path
 
-RUNS = ("plain", "evict", "bounded")
+from memory_bound_setup import (
+    MODELS,
+    RUNS,
+    needle_samples,
+    plan_runs,
+    resolve_model,
+    run_needles,
+    shape_of,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help=f"{' or '.join(MODELS)} (4-bit weights dequantised) or a model folder",
+    )
+    parser.add_argument(
+        "--runs",
+        default=",".join(RUNS),
+        help=f"comma-separated, of {','.join(RUNS)} (default: all)",
+    )
+    parser.add_argument("--requests", type=int, default=None, help="default 96; smollm2 16")
     parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=1024, help="max_new_tokens of each")
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=None,
+        help="max_new_tokens of each (1024; smollm2 992, the frontier's 1k with the prompt)",
+    )
     parser.add_argument(
         "--pool-requests", type=int, default=4, help="full-length requests the pool holds"
     )
-    parser.add_argument("--budget", type=int, default=64)
-    parser.add_argument("--cadence", type=int, default=16)
-    parser.add_argument("--window", type=int, default=16)
+    parser.add_argument(
+        "--kv-fraction",
+        type=float,
+        default=0.25,
+        help="KV bytes per request for eviction and the tier, over a full-length request's",
+    )
+    parser.add_argument(
+        "--budget", type=int, default=None, help="eviction's budget (default: --kv-fraction's)"
+    )
+    parser.add_argument(
+        "--tier", default=None, help="the tier's format BITS:G[/SCORER] (default 3:32/--scorer)"
+    )
+    parser.add_argument("--cadence", type=int, default=None, help="16; smollm2 64")
+    parser.add_argument("--window", type=int, default=None, help="16; smollm2 32")
     parser.add_argument("--sinks", type=int, default=4)
-    parser.add_argument("--scorer", default="streaming")
+    parser.add_argument("--query-window", type=int, default=None, help="16; smollm2 32")
+    parser.add_argument("--scorer", default=None, help="default streaming; smollm2 rkv")
     parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--check-alone", type=int, default=4, help="requests rerun one at a time")
-    parser.add_argument("--model", default=None, help="engine model directory (default: built)")
+    parser.add_argument(
+        "--check-alone", type=int, default=None, help="requests rerun one at a time (4; smollm2 2)"
+    )
+    parser.add_argument(
+        "--needles", type=int, default=None, help="needle prompts per engine (0; smollm2 12)"
+    )
     parser.add_argument("--json", default="bench_memory_bound.json")
     parser.add_argument("--plot", default="bench_memory_bound.png")
     parser.add_argument("--log-dir", default=None, help="engine logs (default: the current dir)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    real = args.model == "smollm2"
+    # The real model runs the frontier's settings (quality.real.frontier_engine): its 1k
+    # contexts, window and cadence, and eviction's best scorer on it.
+    defaults = dict(
+        requests=(16, 96),
+        new_tokens=(992, 1024),
+        scorer=("rkv", "streaming"),
+        cadence=(64, 16),
+        window=(32, 16),
+        query_window=(32, 16),
+        check_alone=(2, 4),
+        needles=(12, 0),
+    )
+    for key, (if_real, otherwise) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, if_real if real else otherwise)
+    if args.tier is None:
+        args.tier = f"3:32/{args.scorer}"
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = sorted(set(runs) - set(RUNS))
+    if unknown or not runs or len(set(runs)) != len(runs):
+        parser.error(f"--runs {args.runs}: each of {', '.join(RUNS)} at most once")
+    args.runs = [r for r in RUNS if r in runs]
+    if not 0.0 < args.kv_fraction < 1.0:
+        parser.error(f"--kv-fraction {args.kv_fraction:g}: between 0 and 1")
+    if args.needles and not real:
+        parser.error("--needles: the needle task needs the real model (--model smollm2)")
+    return args
 
 
 def prompts_for(tokenizer, count: int, length: int) -> list[list[int]]:
@@ -221,68 +298,73 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from sglang_evict.config import EvictionConfig
-    from sglang_evict.engine_model import ensure_engine_model
     from sglang_evict.srt.engine_runner import EngineError, EngineProcess, cpu_engine_kwargs
     from sglang_evict.triton_env import use_triton_interpreter_without_gpu
 
     use_triton_interpreter_without_gpu()
-    model_path = ensure_engine_model(args.model)
+    model_path, model_label = resolve_model(args.model)
+    shape = shape_of(model_path)
+    plans = plan_runs(args, shape, args.runs)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     prompts = prompts_for(tokenizer, args.requests, args.prompt_tokens)
+    length = args.prompt_tokens + args.new_tokens
+    needles = needle_samples(tokenizer, args.needles, length)
     page = args.page_size
-    pool_tokens = args.pool_requests * (args.prompt_tokens + args.new_tokens + page)
-    bound_tokens = args.prompt_tokens + args.budget + args.cadence + page
+    pool_tokens = args.pool_requests * (length + page)
+    longest_needle = max((len(s.prompt_ids) for s in needles), default=0)
+    if longest_needle + 64 + 2 * page > pool_tokens:
+        raise SystemExit(
+            f"bench_memory_bound: a needle prompt of {longest_needle} tokens does not fit a "
+            f"pool of {pool_tokens}; raise --pool-requests"
+        )
     kwargs = cpu_engine_kwargs(
         model_path,
         page_size=page,
         max_total_tokens=pool_tokens,
         max_running_requests=args.requests,
     )
-    policy = dict(
-        kv_budget_tokens=args.budget,
-        cadence_tokens=args.cadence,
-        window_tokens=args.window,
-        sink_tokens=args.sinks,
-        scorer=args.scorer,
-        page_size=page,
-    )
-    policies = {
-        "plain": None,
-        "evict": EvictionConfig(**policy, admission="sglang"),
-        "bounded": EvictionConfig(**policy, admission="bounded"),
-    }
     sampling = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
     print(
-        f"bench_memory_bound: pool {pool_tokens} tokens (~{args.pool_requests} full-length "
-        f"requests), {args.requests} requests x ({args.prompt_tokens} prompt + "
-        f"{args.new_tokens} new) tokens; budget {args.budget}, cadence {args.cadence}, "
-        f"page {page}; bound per evicting request ~{bound_tokens} tokens",
+        f"bench_memory_bound ({model_label}): pool {pool_tokens} tokens (~{args.pool_requests} "
+        f"full-length requests), {args.requests} requests x ({args.prompt_tokens} prompt + "
+        f"{args.new_tokens} new) tokens; KV bytes per request (bf16 accounting): "
+        + "; ".join(_describe(plan) for plan in plans.values())
+        + (f"; then {len(needles)} needle prompts of ~{length} tokens each" if needles else ""),
         flush=True,
     )
     log_dir = Path(args.log_dir) if args.log_dir else Path.cwd()
     rows, series, outputs = {}, {}, {}
-    for name in RUNS:
+    for name, plan in plans.items():
         log_path = log_dir / f"bench-memory-bound-{name}.log"
+        bound_tokens = max(args.prompt_tokens, plan.budget_tokens or 0) + args.cadence + page
         try:
-            with EngineProcess(kwargs, policy=policies[name], log_path=log_path) as engine:
+            with EngineProcess(kwargs, policy=plan.config, log_path=log_path) as engine:
                 mark = engine.mark()
-                plugin = policies[name] is not None
+                plugin = plan.config is not None
                 checks_before = engine.plugin_state()["idle_checks"] if plugin else 0
                 facts, steps, stamps, outs = run_one(
                     name, engine, prompts, sampling, args.check_alone if name == "bounded" else 0
                 )
                 idle_ok = idle_check_passed(engine, mark, plugin, checks_before)
                 state = engine.plugin_state() if plugin else None
+                needle = run_needles(engine, tokenizer, needles, plan, shape, args.pool_requests)
         except EngineError as error:
             print(f"bench_memory_bound: {name}: engine error: {error}", file=sys.stderr)
             return 2
         row = summarise(steps, outs, facts["wall_s"], pool_tokens, bound_tokens)
+        row.update(needle)
         row["idle_check_ok"] = bool(idle_ok)
+        row["kv_fraction"] = plan.kv_fraction
+        row["budget_tokens"] = plan.budget_tokens
+        row["tier_tokens"] = plan.tier_tokens
         if state is not None:
             row["passes"] = state.get("passes")
             row["pressure_passes"] = state.get("pressure_passes")
             row["plugin_idle_checks"] = state.get("idle_checks")
+            tier = state.get("tier") or {}
+            if tier:
+                row["tier_pool_tokens_after"] = tier.get("pool_tokens_after")
+                row["tier_groups"] = tier.get("num_groups")
         rows[name] = row
         series[name] = (stamps, steps)
         outputs[name] = [o["output_ids"] for o in outs]
@@ -290,29 +372,21 @@ def main(argv=None) -> int:
             row["same_alone"] = all(
                 a == b for a, b in zip(facts["alone"], outputs[name], strict=False)
             )
-    same_tokens = outputs["evict"] == outputs["bounded"]
+    same_tokens = (
+        outputs["evict"] == outputs["bounded"] if {"evict", "bounded"} <= set(outputs) else None
+    )
     _print_table(rows)
-    plain, bounded = rows["plain"], rows["bounded"]
-    print(
-        f"bounded / plain: mean running {bounded['mean_running'] / plain['mean_running']:.2f}x, "
-        f"output tokens per minute "
-        f"{bounded['output_tokens_per_min'] / plain['output_tokens_per_min']:.2f}x"
-    )
-    steady = bounded["steady_mean_running"]
-    if steady is not None:
+    _print_ratios(rows, args)
+    if same_tokens is not None:
         print(
-            f"bounded at steady state: {steady:.1f} running (goal >= 0.9 x pool / (prompt + "
-            f"budget + cadence + page) = {bounded['steady_target']:.1f}), retractions "
-            f"{bounded['retractions']}"
+            f"same tokens with and without budget-aware admission: {same_tokens}; first "
+            f"{args.check_alone} requests alone: {rows['bounded'].get('same_alone')}"
         )
-    print(
-        f"same tokens with and without budget-aware admission: {same_tokens}; first "
-        f"{args.check_alone} requests alone: {bounded.get('same_alone')}"
-    )
     Path(args.json).write_text(
         json.dumps(
             {
                 "args": vars(args),
+                "model": model_label,
                 "pool_tokens": pool_tokens,
                 "runs": rows,
                 "same_tokens": same_tokens,
@@ -323,16 +397,53 @@ def main(argv=None) -> int:
     )
     print(f"results: {Path(args.json).resolve()}")
     title = (
-        f"{args.requests} requests x {args.new_tokens} tokens, pool {pool_tokens} tokens, "
-        f"budget {args.budget}"
+        f"{model_label}: {args.requests} requests x {args.new_tokens} tokens, pool "
+        f"{pool_tokens} tokens, {args.kv_fraction:g} of the KV bytes per request"
     )
     if plot(Path(args.plot), series, title):
         print(f"plot: {Path(args.plot).resolve()}")
     return 0
 
 
+def _describe(plan) -> str:
+    if plan.config is None:
+        return f"{plan.name} 1.00 (full)"
+    tail = f" + tier {plan.tier_tokens} at {plan.config.tier_bits} bits" if plan.tier_tokens else ""
+    return f"{plan.name} {plan.kv_fraction:.2f} ({plan.budget_tokens} tokens{tail})"
+
+
+def _print_ratios(rows: dict, args) -> None:
+    plain = rows.get("plain")
+    for name in ("bounded", "tier"):
+        row = rows.get(name)
+        if plain is None or row is None or not plain["output_tokens_per_min"]:
+            continue
+        line = (
+            f"{name} / plain: mean running {row['mean_running'] / plain['mean_running']:.2f}x, "
+            f"output tokens per minute "
+            f"{row['output_tokens_per_min'] / plain['output_tokens_per_min']:.2f}x, "
+            f"retractions {row['retractions']}"
+        )
+        if "needle_accuracy" in row and "needle_accuracy" in plain:
+            diff = row["needle_accuracy"] - plain["needle_accuracy"]
+            line += (
+                f"; needles {row['needle_accuracy']:.2f} vs {plain['needle_accuracy']:.2f} "
+                f"({diff:+.2f}) at {row['kv_fraction']:.2f} of the KV bytes"
+            )
+        print(line)
+    bounded = rows.get("bounded")
+    steady = bounded and bounded["steady_mean_running"]
+    if steady is not None and bounded:
+        print(
+            f"bounded at steady state: {steady:.1f} running (goal >= 0.9 x pool / (prompt + "
+            f"budget + cadence + page) = {bounded['steady_target']:.1f}), retractions "
+            f"{bounded['retractions']}"
+        )
+
+
 def _print_table(rows: dict) -> None:
     columns = [
+        ("KV/req", "kv_fraction", "{:.2f}"),
         ("peak run", "peak_running", "{:d}"),
         ("mean run", "mean_running", "{:.1f}"),
         ("steady run", "steady_mean_running", "{:.1f}"),
@@ -341,6 +452,7 @@ def _print_table(rows: dict) -> None:
         ("tok/min", "output_tokens_per_min", "{:.0f}"),
         ("peak KV", "peak_tokens_held", "{:d}"),
         ("pressure", "pressure_passes", "{:d}"),
+        ("needles", "needle_accuracy", "{:.2f}"),
         ("idle ok", "idle_check_ok", "{}"),
     ]
     print(f"{'run':<9}" + "".join(f"{title:>11}" for title, _, _ in columns))

@@ -19,6 +19,12 @@ So the tokens it may still add are ``peak - kv_now``, however long it generates:
 ``growth_tokens``. ``sglang_evict.srt.admission`` puts that figure into SGLang's own
 admission arithmetic.
 
+Under the quantized tier a request also holds up to ``tier_tokens / G`` groups of the
+tier's arena, which lives outside SGLang's pool: ``tier_admits`` admits a request only
+when the arena can hold its groups beside those its running and admitted requests may
+hold, so the arena never turns groups away for lack of room (they would be dropped,
+as beyond the tier).
+
 When a decode step cannot allocate, ``choose_pressure_passes`` picks the requests to
 compact early: the most evictable first, until the pages they free cover the
 shortfall.
@@ -60,6 +66,21 @@ def bounded_new_tokens(sglang_new_tokens: int, growth: int) -> int:
     how early requests stop): the bound holds however long the request runs, so
     counting all of it keeps admitted requests from ever outgrowing the pool."""
     return min(sglang_new_tokens, growth)
+
+
+def tier_admits(*, reserved_groups: int, request_groups: int, arena_groups: int) -> bool:
+    """Whether a request whose tier may hold ``request_groups`` groups fits an arena of
+    ``arena_groups`` beside the ``reserved_groups`` its running and admitted requests
+    may hold. A request asking more than the whole arena is admitted once nothing else
+    holds any (its groups beyond the arena are dropped, as beyond its tier)."""
+    if min(reserved_groups, request_groups, arena_groups) < 0:
+        raise ValueError(
+            f"reserved_groups={reserved_groups}, request_groups={request_groups}, "
+            f"arena_groups={arena_groups}"
+        )
+    if request_groups == 0:
+        return True
+    return reserved_groups + min(request_groups, arena_groups) <= arena_groups
 
 
 @dataclass(frozen=True)

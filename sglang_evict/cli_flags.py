@@ -99,9 +99,9 @@ def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None
     tier = parser.add_argument_group(
         "quantized tier",
         "keep at low precision what a pass would evict, evict only beyond the tier "
-        "(docs/architecture.md). eval-tier runs it, and serve in SGLang's engine with "
-        "--attention-backend torch_native (docs/serving.md); demo and simulate refuse "
-        "these flags",
+        "(docs/architecture.md). eval-tier runs it, serve in SGLang's engine with "
+        "--attention-backend torch_native (docs/serving.md), and demo beside eviction; "
+        "simulate refuses these flags",
     )
     tier.add_argument(
         "--kv-tier-bits",
@@ -379,11 +379,11 @@ def scorer_params(pairs: list[str]) -> dict:
 
 
 def refuse_tier_in_engine(config: EvictionConfig, command: str) -> None:
-    """``demo`` and ``simulate`` do not run the tier: they refuse ``--kv-tier-*`` in one
-    line rather than ignore it."""
+    """``simulate`` does not run the tier: it refuses ``--kv-tier-*`` in one line rather
+    than ignore it."""
     if config.tier_bits is not None:
         raise ValueError(
             f"--kv-tier-bits: {command} does not run the quantized tier yet (sglang-evict "
-            f"eval-tier and serve --attention-backend torch_native do), so {command} "
+            f"eval-tier, demo and serve --attention-backend torch_native do), so {command} "
             f"refuses it: drop --kv-tier-*"
         )

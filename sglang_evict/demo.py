@@ -7,15 +7,21 @@ model the project builds offline (fast, its text is noise), ``--model DIR`` any 
 Two engines start at once (``sglang.Engine``, radix cache and overlap scheduler on; on a
 machine without a GPU with the CPU settings of ``engine_runner.cpu_engine_kwargs``): one
 with ``--radix-cache-backend sglang-evict`` and the policy from the flags, one plain.
-Both generate the same requests (sharing a system prompt). What is printed and plotted
+With ``--kv-tier-bits`` a third runs beside them: the same policy with the quantized
+tier (what a pass would evict kept at those bits; its tier bounded by the longest
+request, so that admission, which counts each request's tier, runs them all at once).
+All generate the same requests (sharing a system prompt). What is printed and plotted
 is read off SGLang's own accounting, its decode log (``#token``: the KV tokens held by
-running requests, every decode step); passes and pages freed are the plugin's report
-in SGLang's ``get_server_info``.
+running requests, every decode step, the tier's arena apart); passes and pages freed
+are the plugin's report in SGLang's ``get_server_info``; the KV bytes each request held
+at its end, its report in ``meta_info`` (bytes counted in bfloat16, as the frontier
+counts them).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -23,11 +29,13 @@ import threading
 import time
 from pathlib import Path
 
-from sglang_evict.cli_flags import config_from_args, refuse_tier_in_engine
+from sglang_evict.cli_flags import config_from_args
 from sglang_evict.real_model import WEIGHTS_NOTE
 from sglang_evict.triton_env import use_triton_interpreter_without_gpu
 
 DEFAULT_PLOT = "sglang-evict-demo.png"
+EVICTING, TIER, PLAIN = "with eviction", "with the tier", "without (plain SGLang)"
+LOG_NAMES = {EVICTING: "demo-evicting", TIER: "demo-tier", PLAIN: "demo-plain"}
 REAL_MODEL, TINY_MODEL = "smollm2", "tiny"
 ANSWER_CHARS = 100
 
@@ -49,9 +57,8 @@ def run(args: argparse.Namespace) -> int:
     )
 
     config = config_from_args(args)
-    refuse_tier_in_engine(config, "demo")
     log_dir = _log_dir(args.log_dir)
-    model_path, chat = _model_folder(args.model)
+    model_path, chat = _model_folder(args.model, tier=config.tier_bits is not None)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     if chat:
         prompts = _chat_prompts(tokenizer, args.requests)
@@ -69,39 +76,66 @@ def run(args: argparse.Namespace) -> int:
     )
     if not _cpu_only():
         kwargs.update(device="cuda", attention_backend=None, dtype="auto", model_impl="auto")
+    policies = {EVICTING: dataclasses.replace(config, tier_bits=None)}
+    engine_kwargs = {EVICTING: kwargs, PLAIN: kwargs}
+    if config.tier_bits is not None:
+        g = config.tier_group_tokens
+        longest = -(-(prompt_tokens + args.new_tokens) // g) * g
+        policies[TIER] = dataclasses.replace(
+            config, tier_max_tokens=min(config.tier_max_tokens, max(g, longest))
+        )
+        # the arena carved out of a pool that leaves the others' full-precision tokens
+        tier_pool = int(pool_tokens / (1 - config.tier_pool_share)) + page_size
+        engine_kwargs[TIER] = {**kwargs, "max_total_tokens": tier_pool}
+    policies[PLAIN] = None
     # The server's own startup checks, before anything starts (one line on a refusal).
-    server_args = parse_server_args(server_flags(kwargs), dry_run=True)
-    check_startup(server_args, config, model_facts_from_server_args(server_args))
+    for name in sorted(policies, key=lambda n: n != TIER):  # the tier's refusals first
+        policy = policies[name]
+        if policy is not None:
+            server_args = parse_server_args(server_flags(engine_kwargs[name]), dry_run=True)
+            check_startup(server_args, policy, model_facts_from_server_args(server_args))
     what = f"model {model_path}" + (f" ({WEIGHTS_NOTE})" if chat else "")
+    tier_words = ""
+    if TIER in policies:
+        tier = policies[TIER]
+        tier_words = (
+            f"; the tier {tier.tier_bits} bits, groups of {tier.tier_group_tokens}, up to "
+            f"{tier.tier_max_tokens} tokens per request"
+        )
     print(
-        f"demo: SGLang's engine with and without eviction, {what}; {args.requests} requests "
+        f"demo: SGLang's engine {_engines_words(policies)}, {what}; {args.requests} requests "
         f"sharing a system prompt, {min(len(p) for p in prompts)}-{prompt_tokens}-token "
         f"prompts, up to {args.new_tokens} new tokens each (greedy); page size {page_size}, "
         f"budget {config.kv_budget_tokens}, cadence {config.cadence_tokens}, scorer "
-        f"{config.scorer}, compaction {config.compaction}"
+        f"{config.scorer}, compaction {config.compaction}{tier_words}"
     )
-    # Two engines share this machine's cores: each gets its half, else their OpenMP
+    # The engines share this machine's cores: each gets its part, else their OpenMP
     # threads spin against each other (on 2 cores, 4 s per decode step instead of 0.3).
-    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))} if _cpu_only() else {}
-    evicting = EngineProcess(
-        kwargs, policy=config, log_path=log_dir / "demo-evicting.log", env=threads
-    )
-    plain = EngineProcess(kwargs, policy=None, log_path=log_dir / "demo-plain.log", env=threads)
+    cpus = max(1, (os.cpu_count() or 2) // len(policies))
+    threads = {"OMP_NUM_THREADS": str(cpus)} if _cpu_only() else {}
+    named = {
+        name: EngineProcess(
+            engine_kwargs[name],
+            policy=policy,
+            log_path=log_dir / f"{LOG_NAMES[name]}.log",
+            env=threads,
+        )
+        for name, policy in policies.items()
+    }
     started = time.monotonic()
     # A SIGTERM (a supervisor, `kill`) unwinds like Ctrl-C, so the engines below are
     # shut down rather than left running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    print("starting both engines (about a minute on 2 CPU cores) ...", flush=True)
+    print(f"starting {len(named)} engines (about a minute on 2 CPU cores) ...", flush=True)
     try:
-        for engine in (evicting, plain):
+        for engine in named.values():
             engine.launch()
-        for engine in (evicting, plain):
+        for engine in named.values():
             engine.wait_ready()
         print(f"engines ready after {time.monotonic() - started:.0f} s", flush=True)
         # A real model's answers end where it ends them; the random-weight model's never
         # would, so it runs to the length asked.
         sampling = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": not chat}
-        named = {"with eviction": evicting, "without (plain SGLang)": plain}
         marks = {name: engine.mark() for name, engine in named.items()}
         outputs = _generate_with_progress(named, prompts, sampling, args.new_tokens)
         runs = {}
@@ -114,28 +148,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"sglang-evict demo: error: {error}", file=sys.stderr)
         return 2
     except BaseException:  # Ctrl-C, SIGTERM: requests may still run; stop at once
-        for engine in (evicting, plain):
+        for engine in named.values():
             engine.kill()
         raise
     finally:
-        for engine in (evicting, plain):
+        for engine in named.values():
             engine.close()
     _report(runs, page_size, args)
+    _bytes_held(outputs, prompts, policies, model_path)
     if chat:
         _compare_answers(tokenizer, outputs)
     return 0
 
 
-def _model_folder(choice: str | None) -> tuple[Path, bool]:
+def _engines_words(policies: dict) -> str:
+    if TIER in policies:
+        return "with eviction, with the quantized tier and without"
+    return "with and without eviction"
+
+
+def _model_folder(choice: str | None, tier: bool = False) -> tuple[Path, bool]:
     """``(folder, chat)``: the real model (default, ``smollm2``), the small random-weight
-    one (``tiny``) or a folder; ``chat``: prompts go through its chat template."""
+    one (``tiny``; with the tier its variant with head dim 64, which the tier's kernels
+    hold) or a folder; ``chat``: prompts go through its chat template."""
     from sglang_evict.engine_model import ensure_engine_model
     from sglang_evict.real_model import ensure_real_model
 
     if choice in (None, REAL_MODEL):
         return ensure_real_model(), True
     if choice == TINY_MODEL:
-        return ensure_engine_model(), False
+        return ensure_engine_model(variant="head_dim64" if tier else "base"), False
     folder = Path(choice)
     if not (folder / "config.json").is_file():
         raise ValueError(
@@ -207,29 +249,72 @@ def _answer_text(tokenizer, ids) -> str:
 
 
 def _compare_answers(tokenizer, outputs: dict) -> None:
-    """The beginning of each answer from both engines and where they part."""
-    (with_name, evicting), (without_name, plain) = outputs.items()
+    """The beginning of each answer from every engine and where each parts from plain
+    SGLang's."""
+    plain = outputs[PLAIN]
+    others = [name for name in outputs if name != PLAIN]
     print(f"answers ({WEIGHTS_NOTE}; greedy), first {ANSWER_CHARS} characters:")
-    same = 0
-    for i, (ours, theirs) in enumerate(zip(evicting, plain, strict=True)):
-        a, b = ours["output_ids"], theirs["output_ids"]
-        at = first_difference(a, b)
-        same += at is None
-        where = (
-            "identical"
-            if at is None
-            else f"first differ at generated token {at} of {len(a)}/{len(b)}"
-        )
-        print(f"  request {i}: {where}")
-        for name, ids in ((with_name, a), (without_name, b)):
-            text = _answer_text(tokenizer, ids)
-            print(f"    {name:<24}{text}")
-        if at is not None:  # what each wrote from the first token that differs
-            print(f"    from token {at}:")
-            for name, ids in ((with_name, a), (without_name, b)):
-                text = _answer_text(tokenizer, ids[at:])
-                print(f"    {name:<24}{text}")
-    print(f"  {same} of {len(evicting)} answers identical to plain SGLang's")
+    same = dict.fromkeys(others, 0)
+    for i, theirs in enumerate(plain):
+        b = theirs["output_ids"]
+        print(f"  request {i}:")
+        for name in others:
+            a = outputs[name][i]["output_ids"]
+            at = first_difference(a, b)
+            same[name] += at is None
+            where = (
+                "identical to plain SGLang's"
+                if at is None
+                else f"first differs at generated token {at} of {len(a)}/{len(b)}"
+            )
+            print(f"    {name:<24}{where}")
+            print(f"    {'':<24}{_answer_text(tokenizer, a)}")
+            if at is not None:  # what it wrote from the first token that differs
+                print(f"    {'  from token ' + str(at):<24}{_answer_text(tokenizer, a[at:])}")
+        print(f"    {PLAIN:<24}{_answer_text(tokenizer, b)}")
+    for name in others:
+        print(f"  {name}: {same[name]} of {len(plain)} answers identical to plain SGLang's")
+
+
+def _bytes_held(outputs: dict, prompts, policies: dict, model_path: Path) -> None:
+    """Each engine's peak KV bytes per request, from each request's report, over what
+    the full cache held for it at its end (bfloat16 accounting)."""
+    import json
+
+    from sglang_evict.quality.real.frontier import Candidate, Shape, tier_ratio
+    from sglang_evict.request_policy import report_of
+
+    config = json.loads((model_path / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    shape = Shape(
+        config["num_hidden_layers"],
+        config.get("num_key_value_heads", heads),
+        config.get("head_dim") or config["hidden_size"] // heads,
+    )
+    parts = []
+    for name, policy in policies.items():
+        if policy is None:
+            continue
+        ratio = 0.0
+        if policy.tier_bits is not None:
+            candidate = Candidate(
+                bits=policy.tier_bits,
+                group_tokens=policy.tier_group_tokens,
+                outlier_tokens=policy.tier_outlier_tokens,
+                value_group_channels=policy.tier_value_group_channels,
+            )
+            ratio = tier_ratio(candidate, shape)
+        fractions = []
+        for prompt, output in zip(prompts, outputs[name], strict=True):
+            report = report_of(output["meta_info"]) or {}
+            total = len(prompt) + len(output["output_ids"]) - 1
+            full = report.get("peak_kv_tokens", total)
+            fractions.append((full + report.get("tier_tokens_held", 0) * ratio) / total)
+        parts.append(f"{name} {sum(fractions) / len(fractions):.2f}")
+    print(
+        "peak KV bytes per request over the full cache's (each request's report; bf16 "
+        "accounting, the tier's tokens at their bits): " + ", ".join(parts)
+    )
 
 
 def _cpu_only() -> bool:
@@ -300,7 +385,6 @@ def _generate_with_progress(engines: dict, prompts, sampling, new_tokens: int) -
 
 
 def _report(runs: dict, page_size: int, args: argparse.Namespace) -> None:
-    (with_name, (with_steps, report)), (without_name, (without_steps, _)) = runs.items()
     num_requests = args.requests
 
     def peaks(steps):
@@ -309,8 +393,7 @@ def _report(runs: dict, page_size: int, args: argparse.Namespace) -> None:
         per_request = max(s.tokens_held / s.running_requests for s in busy)
         return total, per_request
 
-    total_on, per_on = peaks(with_steps)
-    total_off, per_off = peaks(without_steps)
+    report = runs[EVICTING][1]
     print(
         f"passes {report['passes']}, tokens evicted {report['tokens_evicted']}, "
         f"pages freed {report['pages_freed']} (plugin's report in SGLang's get_server_info)"
@@ -321,11 +404,26 @@ def _report(runs: dict, page_size: int, args: argparse.Namespace) -> None:
             f"compactor: {compactor['sidecar_passes']} passes by the sidecar, "
             f"{compactor['fallback_passes']} completed in-process"
         )
+    if TIER in runs:
+        tier_report = runs[TIER][1]
+        tier = tier_report.get("tier") or {}
+        print(
+            f"with the tier: passes {tier_report['passes']}, tokens evicted "
+            f"{tier_report['tokens_evicted']}, the arena {tier.get('num_groups')} groups "
+            f"({tier.get('arena_bytes', 0) / 2**20:.1f} MiB) carved from the pool"
+        )
+    held = {name: peaks(steps) for name, (steps, _) in runs.items()}
     print("peak KV held, from SGLang's decode log (#token: running requests + radix tree):")
     print(f"  {'':<24}{'total tokens':>14}{'per request':>13}{'pages':>8}")
-    for name, total, per in ((with_name, total_on, per_on), (without_name, total_off, per_off)):
+    for name, (total, per) in held.items():
         print(f"  {name:<24}{total:>14}{per:>13.0f}{-(-total // page_size):>8}")
-    print(f"  with eviction: {total_on / total_off:.2f} of the full cache")
+    full = held[PLAIN][0]
+    print(f"  with eviction: {held[EVICTING][0] / full:.2f} of the full cache")
+    if TIER in held:
+        print(
+            f"  with the tier: {held[TIER][0] / full:.2f} of the full cache's tokens in full "
+            f"precision (its quantized tokens in the arena, counted below)"
+        )
     plot_path = Path(args.plot)
     if _plot(plot_path, runs, page_size):
         print(f"plot of KV held per decode step: {plot_path.resolve()}")

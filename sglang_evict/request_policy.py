@@ -27,9 +27,9 @@ maximum, or allowing eviction off, is the operator's decision.
 
 Each response's ``meta_info["sglang_evict"]`` reports what eviction did to the request
 (``report_of``): its resolved policy, ``passes``, ``tokens_evicted`` and
-``peak_kv_tokens``, the most KV slots it held; on a server with the quantized tier also
-``kv_tokens_held`` and ``tier_tokens_held``, the full-precision and tier tokens it held
-when it ended.
+``peak_kv_tokens``, the most KV slots it held; ``kv_tokens_held``, the full-precision
+tokens it held when it ended; on a server with the quantized tier also
+``tier_tokens_held``, its tier tokens then.
 
 ``bounded_kv_tokens`` is the KV a request can hold at most under its policy, from its
 lengths alone: what budget-aware admission reserves for it.

@@ -7,6 +7,7 @@ from __future__ import annotations
 from array import array
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -23,6 +24,7 @@ from sglang_evict.admission import (
     choose_pressure_passes,
     growth_tokens,
     survivors_cap,
+    tier_admits,
 )
 from sglang_evict.config import EvictionConfig
 from sglang_evict.srt import admission as srt_admission
@@ -123,6 +125,22 @@ def pool_room(engine: Engine) -> int:
 
 
 # --- the arithmetic ---------------------------------------------------------------------
+
+
+@given(st.integers(0, 50), st.integers(0, 50), st.integers(1, 40))
+def test_the_tier_admits_a_request_whose_groups_fit_beside_those_promised(reserved, need, arena):
+    admitted = tier_admits(reserved_groups=reserved, request_groups=need, arena_groups=arena)
+    if need == 0:
+        assert admitted
+    elif need > arena:  # larger than the arena: admitted alone, never beside others
+        assert admitted == (reserved == 0)
+    else:
+        assert admitted == (reserved + need <= arena)
+
+
+def test_the_tier_admission_refuses_negative_counts():
+    with pytest.raises(ValueError, match="reserved_groups=-1"):
+        tier_admits(reserved_groups=-1, request_groups=1, arena_groups=4)
 
 
 def test_survivors_cap_is_the_budget_or_the_protected_tokens_when_larger():
@@ -391,3 +409,64 @@ def test_serve_flags_set_admission_and_pressure_passes():
 def test_bad_admission_settings_are_refused(field, value, message):
     with pytest.raises(ValueError, match=message):
         policy(**{field: value})
+
+
+# --- the tier's arena in admission ----------------------------------------------------
+
+
+def _tier_request(rid: str, config: EvictionConfig, **custom) -> Req:
+    from sglang_evict.request_policy import RequestLimits
+
+    params = SamplingParams(
+        max_new_tokens=512, custom_params={"sglang_evict": custom} if custom else None
+    )
+    req = Req(rid, "", array("q", prompt(1)), params)
+    attach_policy(req, config, RequestLimits.of(config, ("streaming",)))
+    return req
+
+
+def test_a_request_waits_while_the_tiers_arena_is_promised_to_others(hooked, monkeypatch):
+    """SGLang's adder sees ``NO_TOKEN`` (the request waits, nothing reserved) while the
+    groups running and admitted requests may demote leave the arena too little room;
+    a request asking no tier is admitted by the pool alone."""
+    from types import SimpleNamespace
+
+    from sglang_evict.srt.backend import EvictingRadixCache
+    from sglang_evict.tier.arena import TierArena
+
+    config = policy(tier_bits=3, tier_group_tokens=16, tier_max_tokens=64)  # 4 groups each
+    arena = TierArena(
+        config.tier_format(64), num_groups=10, num_layers=1, kv_heads=1, full_dtype=torch.float32
+    )
+    manager = SimpleNamespace(config=config, tier_arena=arena, default_policy=None)
+    cache = EvictingRadixCache.__new__(EvictingRadixCache)
+    cache.disable, cache.evictor = False, manager
+    running = [_tier_request("a", config), _tier_request("b", config, tier_tokens=32)]
+    adder = SimpleNamespace(
+        tree_cache=cache, running_batch=SimpleNamespace(reqs=running), can_run_list=[]
+    )
+    calls = []
+    # the pool's side (tested above on SGLang's adder) left out: SGLang's own arithmetic
+    monkeypatch.setattr(srt_admission, "request_growth", lambda *args, **kwargs: None)
+    monkeypatch.setattr(srt_admission, "matched_prefix_len", lambda req: 0)
+
+    def original(adder, req, *args, **kwargs):
+        calls.append(req.rid)
+        return AddReqResult.CONTINUE
+
+    # 4 + 2 groups promised: a third request's 4 fit the 10, a fourth's do not
+    third = _tier_request("c", config)
+    assert srt_admission._around_add_one_req(original, adder, third, False, None) is (
+        AddReqResult.CONTINUE
+    )
+    adder.can_run_list.append(third)
+    fourth = _tier_request("d", config)
+    assert srt_admission._around_add_one_req(original, adder, fourth, False, None) is (
+        AddReqResult.NO_TOKEN
+    )
+    assert calls == ["c"] and Active.totals.tier_admission_waits == 1
+    no_tier = _tier_request("e", config, tier_tokens=0)
+    assert srt_admission._around_add_one_req(original, adder, no_tier, False, None) is (
+        AddReqResult.CONTINUE
+    )
+    assert calls == ["c", "e"]

@@ -182,10 +182,12 @@ def test_compactor_bench_runs_its_smoke_configuration_on_cpu():
 
 
 @pytest.mark.engine
-@pytest.mark.engine_group("bench")  # its own three engines, one after another
+@pytest.mark.engine_group("bench")  # its own four engines, one after another
 def test_memory_bound_bench_runs_in_the_real_engine(tmp_path):
-    """``bench_memory_bound.py``, shortened: three real engines over one pool and
-    workload; its JSON and plot are written and hold what the README table reads."""
+    """``bench_memory_bound.py``, shortened: four real engines (plain, eviction under
+    SGLang's and bounded admission, the tier) over one pool and workload at the same
+    per-request KV bytes; its JSON and plot are written and hold what the README table
+    reads."""
     result = subprocess.run(
         [
             sys.executable,
@@ -194,6 +196,7 @@ def test_memory_bound_bench_runs_in_the_real_engine(tmp_path):
             "--new-tokens", "96",
             "--pool-requests", "2",
             "--check-alone", "1",
+            "--kv-fraction", "0.5",
             "--json", str(tmp_path / "mb.json"),
             "--plot", str(tmp_path / "mb.png"),
             "--log-dir", str(tmp_path),
@@ -205,13 +208,36 @@ def test_memory_bound_bench_runs_in_the_real_engine(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "mb.json").read_text())
     runs = report["runs"]
-    assert set(runs) == {"plain", "evict", "bounded"}
+    assert set(runs) == {"plain", "evict", "bounded", "tier"}
     assert all(run["completed"] == 8 and run["idle_check_ok"] for run in runs.values())
+    assert runs["tier"]["retractions"] == 0 and runs["tier"]["tier_groups"] > 0
+    assert runs["tier"]["tier_pool_tokens_after"] < report["pool_tokens"]  # the same pool
+    assert runs["tier"]["kv_fraction"] <= 0.5 and runs["bounded"]["kv_fraction"] <= 0.5
     assert report["same_tokens"] and runs["bounded"]["same_alone"]
     assert runs["bounded"]["retractions"] == 0
     assert runs["bounded"]["peak_running"] > runs["evict"]["peak_running"]
     assert (tmp_path / "mb.png").stat().st_size > 0
     assert "bounded / plain: mean running" in result.stdout
+    assert "tier / plain: mean running" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--runs", "plain,fast"], "--runs plain,fast"),
+        (["--runs", "tier,tier"], "--runs tier,tier"),
+        (["--kv-fraction", "1.5"], "--kv-fraction 1.5"),
+        (["--needles", "4"], "--needles: the needle task needs the real model"),
+    ],
+)
+def test_memory_bound_bench_refuses_bad_flags_by_name(flags, message):
+    result = subprocess.run(
+        [sys.executable, str(BENCHES / "bench_memory_bound.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
 
 
 def test_pass_memory_bench_runs_its_smoke_configuration_on_cpu():

@@ -116,6 +116,40 @@ def test_demo_runs_sglangs_engine_with_and_without_eviction_and_plots_kv_held(ca
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.engine
+@pytest.mark.engine_group("demo")  # its own three engines
+def test_demo_runs_the_tier_beside_eviction_and_plain_sglang(capsys, tmp_path):
+    """``demo --kv-tier-bits 3``: a third real engine with the quantized tier; its
+    passes demote rather than only evict, it holds fewer full-precision tokens than
+    plain SGLang, and every engine's KV bytes per request are printed."""
+    argv = [
+        "demo",
+        *("--model", "tiny"),
+        *("--requests", "2", "--prompt-tokens", "24", "--new-tokens", "128"),
+        *("--page-size", "1", "--kv-budget", "32", "--kv-cadence", "32", "--kv-window", "16"),
+        *("--kv-tier-bits", "3", "--kv-tier-group", "16"),
+        *("--plot", str(tmp_path / "kv.png"), "--log-dir", str(tmp_path)),
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "with eviction, with the quantized tier and without" in out
+    tier_passes = re.search(r"^with the tier: passes (\d+), tokens evicted (\d+)", out, re.M)
+    assert tier_passes is not None and int(tier_passes.group(1)) >= 2, out
+    held = {
+        name: int(re.search(rf"^ +{name} +(\d+)", out, re.M).group(1))
+        for name in ("with eviction", "with the tier", r"without \(plain SGLang\)")
+    }
+    assert held["with the tier"] < held[r"without \(plain SGLang\)"]
+    fractions = re.search(
+        r"^peak KV bytes per request .*: with eviction ([\d.]+), with the tier ([\d.]+)$",
+        out,
+        re.M,
+    )
+    assert fractions is not None, out
+    assert 0 < float(fractions.group(1)) < 1 and 0 < float(fractions.group(2)) < 1
+    assert (tmp_path / "demo-tier.log").read_text().count("Decode batch") >= 127
+
+
 def test_serve_checks_eviction_flags_before_loading_sglang(capsys):
     assert main(["serve", "--kv-budget", "5", "--model-path", "dummy"]) == 2
     assert "kv_budget_tokens=5" in capsys.readouterr().err

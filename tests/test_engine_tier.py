@@ -117,3 +117,51 @@ def test_each_request_brings_its_own_tier_and_equals_the_reference_loop(
     assert reports[0]["tier_tokens_held"] == 0
     assert all(0 < r["tier_tokens_held"] <= 32 for r in reports[1:])
     assert_clean_after(engine, mark)
+
+
+def test_an_abort_mid_generation_gives_the_tier_back(engines, tier_model, prompts):
+    """Aborted after its passes filled its tier: the engine stays clean and the arena
+    holds nothing once the scheduler is idle."""
+    engine = engines.get(
+        EngineSpec.plugin(
+            1, engine_args={"model_path": str(tier_model)}, **policy_fields(tier_bits=8, **TIER)
+        )
+    )
+    mark = engine.mark()
+    out = engine.generate_then_abort(prompts[0], greedy(2000), after_chunks=160)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    demoted = [r for record in engine.pass_records(mark) for r in record["requests"]]
+    assert sum(r.get("tokens_demoted", 0) for r in demoted) > 0, "aborted before any demotion"
+    assert_clean_after(engine, mark)
+    assert engine.plugin_state()["tier"]["groups_held"] == 0
+
+
+def test_retraction_with_the_tier_gives_it_back_and_re_prefills(engines, tier_model, tokenizer):
+    """The lifecycle test's retraction (``test_engine_lifecycle``: a pool too small for
+    the batch, SGLang told to admit greedily) with the tier: the arena is carved from a
+    pool that leaves about the same 640 tokens. SGLang retracts; the retracted request
+    gives its tier back, is re-prefilled in full precision (the extend batch holds no
+    tier: asserted by the engine) and completes; the idle check stays clean."""
+    fields = {**TIER, "kv_budget_tokens": 100, "cadence_tokens": 64}
+    spec = EngineSpec.plugin(
+        1,
+        max_total_tokens=int(640 / (1 - TIER["tier_pool_share"])),
+        engine_args={"model_path": str(tier_model), "schedule_conservativeness": 0.01},
+        env={"SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION": "16"},
+        tier_bits=3,
+        **fields,
+    )
+    engine = engines.get(spec)
+    prompts = [tokenizer(f"Request {i}: tell me a story.")["input_ids"] for i in range(7)]
+    new_tokens = 300
+    mark = engine.mark()
+    sampling = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "temperature": 0}
+    outputs = engine.generate(prompts, sampling)
+    assert all(len(o["output_ids"]) == new_tokens for o in outputs)
+    retractions = sum(o["meta_info"]["num_retractions"] for o in outputs)
+    assert retractions >= 1
+    reports = [report_of(o["meta_info"]) for o in outputs]
+    assert all(r["tier_tokens_held"] > 0 for r in reports)  # every request demoted
+    engines.report("tier retraction", "SGLang's num_retractions", retractions)
+    assert_clean_after(engine, mark)
+    assert engine.plugin_state()["tier"]["groups_held"] == 0

@@ -99,17 +99,19 @@ def tier_attention_torch(
     kv_heads = store.k_codes.shape[2]
     g = fmt.group_tokens
     k, v = dequantize_groups_reference(store.take(group_table.reshape(-1).long()), fmt)
-    k = k.reshape(b, width * g, kv_heads, d).repeat_interleave(hq // kv_heads, dim=2)
-    v = v.reshape(b, width * g, kv_heads, d).repeat_interleave(hq // kv_heads, dim=2)
+    k = k.reshape(b, width * g, kv_heads, d).permute(0, 2, 3, 1)  # [B, H, D, T]
+    v = v.reshape(b, width * g, kv_heads, d).transpose(1, 2)  # [B, H, T, D]
     live = torch.arange(width, device=q.device)[None, :] < num_groups.to(q.device)[:, None]
     live = live.repeat_interleave(g, dim=1)  # [B, T]
-    scores = torch.einsum("bhd,bthd->bht", q.float(), k) * sm_scale
-    scores = scores.masked_fill(~live[:, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, Hq]; -inf where a request has no group
+    # GQA without copying keys per query head: [B, H, Hq / H, D] @ [B, H, D, T]
+    scores = torch.matmul(q.float().reshape(b, kv_heads, hq // kv_heads, d), k) * sm_scale
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf where a request has no group
     finite = torch.isfinite(lse)
     p = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse))[..., None])
-    o = torch.einsum("bht,bthd->bhd", p, v)
-    return torch.where(finite[..., None], o, torch.zeros_like(o)), lse
+    o = torch.matmul(p, v).reshape(b, hq, d)
+    lse = lse.reshape(b, hq)
+    return torch.where(lse.isfinite()[..., None], o, torch.zeros_like(o)), lse
 
 
 def attention_with_lse_reference(

@@ -197,17 +197,20 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     return packed.reshape(*lead, d * bits // PACK_CHUNK).to(torch.uint8)
 
 
-def unpack_codes(packed: Tensor, bits: int) -> Tensor:
-    """int64 codes ``[..., D]`` from ``pack_codes``'s bytes."""
+def unpack_codes(packed: Tensor, bits: int, dtype: torch.dtype = torch.int64) -> Tensor:
+    """Codes ``[..., D]`` (``dtype``) from ``pack_codes``'s bytes. A chunk's ``bits``
+    bytes fit an int32 word (4 bytes at most: the top code's sign-extended bits are
+    masked off), which runs about twice as fast as int64 on CPU."""
     if bits == 8:
-        return packed.to(torch.int64)
+        return packed.to(dtype)
     *lead, nbytes = packed.shape
-    chunks = packed.to(torch.int64).reshape(*lead, nbytes // bits, bits)
-    byte_shifts = torch.arange(bits, device=packed.device) * 8
-    word = (chunks << byte_shifts).sum(dim=-1)
-    shifts = torch.arange(PACK_CHUNK, device=packed.device) * bits
+    chunks = packed.reshape(*lead, nbytes // bits, bits).to(torch.int32)
+    word = chunks[..., 0]
+    for i in range(1, bits):
+        word = word | (chunks[..., i] << (8 * i))
+    shifts = torch.arange(PACK_CHUNK, device=packed.device, dtype=torch.int32) * bits
     codes = (word.unsqueeze(-1) >> shifts) & (2**bits - 1)
-    return codes.reshape(*lead, nbytes // bits * PACK_CHUNK)
+    return codes.reshape(*lead, nbytes // bits * PACK_CHUNK).to(dtype)
 
 
 def encode(x: Tensor, lo: Tensor, hi: Tensor, levels: int, scale_dtype: torch.dtype):
@@ -277,10 +280,10 @@ def dequantize_groups_reference(store: TierStore, fmt: TierFormat) -> tuple[Tens
     scale plus zero, the outlier tokens' own rows in their place."""
     n, g, h, _ = store.k_codes.shape
     d, c = fmt.head_dim, fmt.value_group_channels
-    k = unpack_codes(store.k_codes, fmt.bits).float()
-    k = k * store.k_scale.float().unsqueeze(1) + store.k_zero.float().unsqueeze(1)
-    v = unpack_codes(store.v_codes, fmt.bits).float().reshape(n, g, h, d // c, c)
-    v = v * store.v_scale.float().unsqueeze(-1) + store.v_zero.float().unsqueeze(-1)
+    k = unpack_codes(store.k_codes, fmt.bits, torch.float32)
+    k = torch.addcmul(store.k_zero.float().unsqueeze(1), k, store.k_scale.float().unsqueeze(1))
+    v = unpack_codes(store.v_codes, fmt.bits, torch.float32).reshape(n, g, h, d // c, c)
+    v = torch.addcmul(store.v_zero.float().unsqueeze(-1), v, store.v_scale.float().unsqueeze(-1))
     v = v.reshape(n, g, h, d)
     if store.outliers:
         index = store.out_index.long()  # [N, H, n_out]

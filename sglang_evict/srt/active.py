@@ -27,6 +27,7 @@ class PassTotals:
     pressure_passes: int = 0  # of ``passes``: run early, for a step that could not allocate
     pressure_steps: int = 0  # decode steps that could not allocate with passes to run
     pressure_steps_relieved: int = 0  # of those: the step fitted after them, no retraction
+    tier_admission_waits: int = 0  # admissions refused: the tier's arena was promised out
 
     def add(self, results, *, pressure: bool = False) -> None:
         for result in results:

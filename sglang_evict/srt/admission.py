@@ -22,6 +22,11 @@ with ``--kv-admission bounded`` (the default) both figures are capped by it:
   page. A request not admitted, or admitted as a first chunk (SGLang reserves no
   generation for it), gets its credit back.
 
+Under the quantized tier a request's bound includes its tier: ``add_one_req`` answers
+``NO_TOKEN`` (SGLang's "the pool is full": the request waits) when the tier's arena
+cannot hold the groups the request may demote beside those its running and admitted
+requests may hold (``sglang_evict.admission.tier_admits``).
+
 A request that does not evict (its policy turns eviction off, or plain SGLang) keeps
 SGLang's arithmetic. No copy of the scheduler: the figures SGLang computes are
 replaced, the decisions stay SGLang's.
@@ -50,6 +55,7 @@ from sglang_evict.admission import (
     choose_pressure_passes,
     growth_tokens,
     survivors_cap,
+    tier_admits,
 )
 from sglang_evict.srt.active import Active
 from sglang_evict.srt.backend import EvictingRadixCache
@@ -113,9 +119,32 @@ def _after_running_offset(result, adder, req, *args, **kwargs):
     return bounded_new_tokens(min(rest, _clip_max_new_tokens()), growth)
 
 
+def tier_groups_bound(manager, req) -> int:
+    """The most tier groups ``req`` may hold (0: no tier)."""
+    if getattr(manager, "tier_arena", None) is None:
+        return 0
+    policy = policy_of(req) or manager.default_policy
+    if not policy.enabled or not policy.tier_tokens:
+        return 0
+    return policy.tier_tokens // manager.tier_arena.fmt.group_tokens
+
+
+def _tier_waits(manager, adder, req) -> bool:
+    need = tier_groups_bound(manager, req)
+    if need == 0:
+        return False
+    running = adder.running_batch.reqs if adder.running_batch is not None else []
+    reserved = sum(tier_groups_bound(manager, r) for r in (*running, *adder.can_run_list))
+    arena_groups = manager.tier_arena.num_groups
+    return not tier_admits(reserved_groups=reserved, request_groups=need, arena_groups=arena_groups)
+
+
 def _around_add_one_req(original, adder, req, *args, **kwargs):
     manager = _bounded_manager(adder.tree_cache)
     growth = None
+    if manager is not None and _tier_waits(manager, adder, req):
+        Active.totals.tier_admission_waits += 1
+        return schedule_policy.AddReqResult.NO_TOKEN
     if manager is not None:
         fill_len = len(req.full_untruncated_fill_ids)
         growth = request_growth(manager, req, kv_len=fill_len, num_shared=matched_prefix_len(req))

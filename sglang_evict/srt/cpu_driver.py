@@ -348,29 +348,30 @@ def _carve_tier(
     device: str,
 ):
     """``(arena, pool tokens)``: the tier's arena sized as ``config.tier_pool_share`` of
-    ``num_tokens`` slots' KV memory, the pool keeping the whole pages left."""
-    from sglang_evict.tier.arena import TierArena, arena_groups_for_share
+    ``num_tokens`` slots' KV memory, the pool keeping the whole pages left: the plan
+    SGLang's engine makes (``srt.tier.plan_tier``)."""
+    from sglang_evict.srt.tier import plan_tier
+    from sglang_evict.tier.arena import TierArena
 
-    fmt = config.tier_format(head_dim)
     slot_bytes = (
         2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
     )
-    groups = arena_groups_for_share(
-        share=config.tier_pool_share,
-        kv_pool_bytes=num_tokens * slot_bytes,
-        fmt=fmt,
+    plan = plan_tier(
+        config,
+        pool_tokens=num_tokens,
+        kv_bytes_per_token=slot_bytes,
         num_layers=num_layers,
         kv_heads=num_kv_heads,
+        head_dim=head_dim,
         full_dtype=dtype,
+        page_size=page_size,
     )
     arena = TierArena(
-        fmt,
-        num_groups=groups,
+        config.tier_format(head_dim),
+        num_groups=plan.num_groups,
         num_layers=num_layers,
         kv_heads=num_kv_heads,
         full_dtype=dtype,
         device=device,
     )
-    taken_slots = -(-arena.nbytes() // slot_bytes)
-    pool_tokens = (num_tokens - taken_slots) // page_size * page_size
-    return arena, pool_tokens
+    return arena, plan.pool_tokens_after

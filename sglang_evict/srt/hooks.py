@@ -175,6 +175,7 @@ def run_passes(
                 "tokens_before": r.tokens_before,
                 "tokens_after": r.tokens_after,
                 "pages_freed": r.pages_freed,
+                "tokens_demoted": r.tokens_demoted,
             }
             for r in results
         ]

@@ -166,8 +166,8 @@ def _before_add_request_to_queue(scheduler, req, *args, **kwargs):
 
 def eviction_report(req, manager) -> dict:
     """What eviction did to ``req`` so far (read before its state is dropped): its
-    policy, passes, tokens evicted and the most KV it held, since it was admitted; on a
-    server with the tier also the full-precision and tier tokens it holds now."""
+    policy, passes, tokens evicted and the most KV it held, since it was admitted; the
+    full-precision tokens it holds now; on a server with the tier also its tier tokens."""
     policy = policy_of(req) or manager.default_policy
     passes, evicted, peak = getattr(req, CARRIED_ATTR, (0, 0, 0))
     state = manager.states.get(req.rid)
@@ -178,9 +178,9 @@ def eviction_report(req, manager) -> dict:
         "passes": passes + (state.num_passes if state else 0),
         "tokens_evicted": evicted + (state.tokens_evicted if state else 0),
         "peak_kv_tokens": max(peak, state.peak_kv_tokens if state else 0, held),
+        "kv_tokens_held": held,
     }
-    if manager.tier_arena is not None:  # a server with the tier: what it holds now
-        report["kv_tokens_held"] = held
+    if manager.tier_arena is not None:  # a server with the tier: what its tier holds now
         report["tier_tokens_held"] = manager.tier_arena.tokens_of(req.rid)
     return report
 

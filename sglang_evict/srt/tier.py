@@ -263,6 +263,8 @@ def merge_decode(o, q, layer, forward_batch, arena, backend):
     queries = q.reshape(-1, hq, d)
     b = queries.shape[0]
     table = arena.row_table[rows]
+    if on_cpu:  # no graph to keep static: read only the groups some request holds
+        table = table[:, : int(counts.max())]
     o_tier, lse_tier = tier_attention_torch(
         queries, arena.stores[layer.layer_id], table, counts, arena.fmt, sm_scale=layer.scaling
     )
@@ -282,13 +284,14 @@ def full_precision_lse(queries, layer, forward_batch, backend):
     if width == 0:
         width = int(seq_lens.max())
     slots = backend.req_to_token_pool.req_to_token[forward_batch.req_pool_indices, :width]
-    keys = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)[slots.long()]
-    hq, h = layer.tp_q_head_num, layer.tp_k_head_num
-    keys = keys.float().repeat_interleave(hq // h, dim=2)  # [B, L, Hq, D]
-    scores = torch.einsum("bhd,blhd->bhl", queries.float(), keys) * layer.scaling
+    keys = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)[slots.long()]  # [B, L, H, D]
+    b, hq, d = queries.shape
+    h = layer.tp_k_head_num
+    grouped = queries.float().reshape(b, h, hq // h, d)  # GQA: no copy of keys per q head
+    scores = torch.matmul(grouped, keys.float().permute(0, 2, 3, 1)) * layer.scaling
     live = torch.arange(width, device=seq_lens.device)[None, :] < seq_lens[:, None]
-    scores = scores.masked_fill(~live[:, None, :], float("-inf"))
-    return torch.logsumexp(scores, dim=-1)
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    return torch.logsumexp(scores, dim=-1).reshape(b, hq)
 
 
 def report() -> dict | None:
