@@ -12,7 +12,6 @@ the engine's own KV dtype, so the pool and the arena fill together.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,10 +59,7 @@ def resolve_model(name: str) -> tuple[Path, str]:
 def shape_of(model_path: Path):
     from sglang_evict.quality.real.frontier import Shape
 
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return Shape(config["num_hidden_layers"], config.get("num_key_value_heads", heads), head_dim)
+    return Shape.of_folder(model_path)
 
 
 def plan_runs(args, shape, runs) -> dict[str, RunPlan]:

@@ -14,7 +14,7 @@ All generate the same requests (sharing a system prompt). What is printed and pl
 is read off SGLang's own accounting, its decode log (``#token``: the KV tokens held by
 running requests, every decode step, the tier's arena apart); passes and pages freed
 are the plugin's report in SGLang's ``get_server_info``; the KV bytes each request held
-at its end, its report in ``meta_info`` (bytes counted in bfloat16, as the frontier
+at its peak, its report in ``meta_info`` (bytes counted in bfloat16, as the frontier
 counts them).
 """
 
@@ -269,8 +269,9 @@ def _compare_answers(tokenizer, outputs: dict) -> None:
             )
             print(f"    {name:<24}{where}")
             print(f"    {'':<24}{_answer_text(tokenizer, a)}")
-            if at is not None:  # what it wrote from the first token that differs
+            if at is not None:  # what each wrote from the first token that differs
                 print(f"    {'  from token ' + str(at):<24}{_answer_text(tokenizer, a[at:])}")
+                print(f"    {'  plain SGLang there':<24}{_answer_text(tokenizer, b[at:])}")
         print(f"    {PLAIN:<24}{_answer_text(tokenizer, b)}")
     for name in others:
         print(f"  {name}: {same[name]} of {len(plain)} answers identical to plain SGLang's")
@@ -279,18 +280,10 @@ def _compare_answers(tokenizer, outputs: dict) -> None:
 def _bytes_held(outputs: dict, prompts, policies: dict, model_path: Path) -> None:
     """Each engine's peak KV bytes per request, from each request's report, over what
     the full cache held for it at its end (bfloat16 accounting)."""
-    import json
-
     from sglang_evict.quality.real.frontier import Candidate, Shape, tier_ratio
     from sglang_evict.request_policy import report_of
 
-    config = json.loads((model_path / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    shape = Shape(
-        config["num_hidden_layers"],
-        config.get("num_key_value_heads", heads),
-        config.get("head_dim") or config["hidden_size"] // heads,
-    )
+    shape = Shape.of_folder(model_path)
     parts = []
     for name, policy in policies.items():
         if policy is None:

@@ -240,6 +240,41 @@ def test_memory_bound_bench_refuses_bad_flags_by_name(flags, message):
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
 
 
+def _memory_bound_plans(monkeypatch, *argv):
+    monkeypatch.syspath_prepend(str(BENCHES))  # the bench imports its sibling module
+    bench = load("bench_memory_bound")
+    setup = load("memory_bound_setup")
+    from sglang_evict.quality.real.frontier import Shape
+
+    args = bench.parse_args(list(argv))
+    return setup.plan_runs(args, Shape(30, 3, 64), args.runs), args
+
+
+@pytest.mark.parametrize("fraction", [0.125, 0.25, 0.5])
+def test_memory_bound_plans_hold_eviction_and_the_tier_to_the_same_bytes(monkeypatch, fraction):
+    """Both plans spend at most ``--kv-fraction`` of a full-length request's bytes (bf16
+    accounting), and nearly all of it; the tier holds whole groups and its arena takes a
+    share of the pool between 0 and 1."""
+    plans, args = _memory_bound_plans(
+        monkeypatch, "--model", "smollm2", "--kv-fraction", str(fraction)
+    )
+    length = args.prompt_tokens + args.new_tokens
+    assert plans["plain"].config is None and plans["plain"].kv_fraction == 1.0
+    for name in ("evict", "bounded", "tier"):
+        assert 0.8 * fraction <= plans[name].kv_fraction <= fraction + 1e-9, name
+    tier = plans["tier"]
+    g = tier.config.tier_group_tokens
+    assert tier.tier_tokens % g == 0 and tier.budget_tokens + tier.tier_tokens <= length
+    assert 0 < tier.config.tier_pool_share < 1
+    assert plans["bounded"].config.admission == "bounded"
+    assert plans["evict"].config.admission == "sglang"
+
+
+def test_memory_bound_plans_refuse_bytes_that_hold_no_tier_naming_the_flag(monkeypatch):
+    with pytest.raises(SystemExit, match="--kv-fraction"):
+        _memory_bound_plans(monkeypatch, "--new-tokens", "96", "--kv-fraction", "0.25")
+
+
 def test_pass_memory_bench_runs_its_smoke_configuration_on_cpu():
     """``bench_pass_memory.py --smoke``: one pass per scorer, each in its own process,
     prints what it added to the peak resident size; a scorer that needs a query ring is

@@ -173,6 +173,8 @@ def test_finished_request_carries_its_report_at_its_last_output_token():
     assert values[:-1] == [None] * 99
     report = report_of({REPORT_KEY: values})
     results = [r for _, r in engine.pass_log]
+    held = report.pop("kv_tokens_held")  # what it held as it ended: its budget and more
+    assert 32 <= held <= peak
     assert report == {
         "enabled": True,
         "kv_budget_tokens": 32,

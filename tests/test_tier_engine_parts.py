@@ -209,3 +209,65 @@ def test_the_idle_check_names_a_tier_that_holds_groups_or_breaks_an_invariant():
     assert "holds groups of ['a'] while the scheduler is idle" in tier_problem(arena)
     arena.row_counts[2] = 0
     assert "breaks an invariant while idle: row 2 lists 0" in tier_problem(arena)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_full_sides_lse_from_sglangs_split_kv_decode_merges_with_the_tier_exactly(
+    page_size,
+):
+    """SGLang's own ``triton`` decode kernel (stage 1 leaves each split's log-sum-exp,
+    stage 2 reduces them), run by Triton's interpreter on CPU over requests of 5 to 150
+    tokens in 1 to 4 splits: ``split_kv_lse`` equals the log-sum-exp over each request's
+    keys, and SGLang's output merged with a tier's partial attention equals one softmax
+    over the full-precision and tier tokens together."""
+    import math
+
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+    from sglang_evict.srt.tier import split_kv_lse
+    from sglang_evict_kernels.tier_attention import (
+        attention_with_lse_reference,
+        merge_attention_states,
+    )
+
+    generator = torch.Generator().manual_seed(page_size)
+    lens, splits = [5, 70, 33, 150], [1, 4, 2, 3]
+    b, hq, h, d, max_splits = len(lens), 4, 2, 64, 4
+    pages = [-(-n // page_size) for n in lens]
+    k_pool = torch.randn(sum(pages) * page_size, h, d, generator=generator)
+    v_pool = torch.randn(sum(pages) * page_size, h, d, generator=generator)
+    q = torch.randn(b, hq, d, generator=generator)
+    # Token slots (SGLang's kv_indices): each request's tokens in whole pages, the
+    # pages in a random order.
+    page_order = torch.randperm(sum(pages), generator=generator)
+    token_slots, first = [], 0
+    for n, p in zip(lens, pages, strict=True):
+        own = page_order[first : first + p]
+        first += p
+        token_slots.append((own[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:n])
+    indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    indices = torch.cat(token_slots).to(torch.int32)
+    logits = torch.empty(b, hq, max_splits, d)
+    split_lse = torch.full((b, hq, max_splits), 123.0)  # stale values past the live splits
+    o = torch.empty(b, hq, d)
+    sm_scale = 1 / math.sqrt(d)
+    kwargs = {"page_size": page_size} if page_size > 1 else {}
+    decode_attention_fwd(
+        q, k_pool, v_pool, o, indptr, indices, logits,
+        split_lse, torch.tensor(splits, dtype=torch.int32), max_splits, sm_scale, 1.0, 1.0,
+        **kwargs,
+    )  # fmt: skip
+    lse = split_kv_lse(split_lse, torch.tensor(splits), torch.tensor(lens), 32)
+    tier_k = torch.randn(b, 40, h, d, generator=generator)
+    tier_v = torch.randn(b, 40, h, d, generator=generator)
+    for i in range(b):
+        k, v = k_pool[token_slots[i]], v_pool[token_slots[i]]
+        o_ref, lse_ref = attention_with_lse_reference(q[i], k, v, sm_scale)
+        assert torch.allclose(lse[i], lse_ref, atol=1e-5), i
+        assert torch.allclose(o[i], o_ref, atol=1e-5), i
+        o_tier, lse_tier = attention_with_lse_reference(q[i], tier_k[i], tier_v[i], sm_scale)
+        merged, _ = merge_attention_states(o[i], lse[i], o_tier, lse_tier)
+        o_all, _ = attention_with_lse_reference(
+            q[i], torch.cat([k, tier_k[i]]), torch.cat([v, tier_v[i]]), sm_scale
+        )
+        assert torch.allclose(merged, o_all, atol=1e-5), i

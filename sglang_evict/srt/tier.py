@@ -18,10 +18,20 @@ Attention: an AFTER hook on ``AttentionBackend.forward`` (the method every atten
 layer reaches). For a decode batch whose requests hold tier groups it merges, by their
 log-sum-exp (``sglang_evict_kernels.tier_attention.merge_attention_states``), the
 backend's output over each request's full-precision KV with the request's attention
-over its tier. The backend returns no log-sum-exp, so the full side's is computed again
-from the same keys the backend read (``req_to_token[row, :seq_len]``): the
-``torch_native`` backend (SGLang's CPU engine) is the one supported so far; the server
-refuses the tier with any other at start (``server_args.startup_problems``).
+over its tier. The full side's log-sum-exp comes from the backend:
+
+- ``torch_native`` (SGLang's CPU engine) returns none, so it is computed again from the
+  same keys the backend read (``req_to_token[row, :seq_len]``: ``full_precision_lse``);
+- ``triton`` decodes split-KV in two stages, and stage 1 leaves each split's
+  log-sum-exp in ``forward_metadata.attn_lse``: the full side's is their log-sum-exp over
+  the splits stage 2 reduced (``split_kv_lse``; static shapes, no host read, so it can
+  run inside SGLang's decode CUDA graphs), and the tier's side is one Triton kernel
+  (``tier_attention_triton``). This path's arithmetic is tested against SGLang's own
+  decode kernel (under Triton's interpreter on CPU); it has not run on a GPU, so the
+  server still refuses ``triton`` with the tier at start.
+
+The server refuses the tier with any backend outside ``server_args.TIER_BACKENDS`` at
+start (``server_args.startup_problems``).
 
 Extend (prefill) batches never read the tier, and the hook asserts it (CPU: a read of
 the batch's row counts): a pass demotes only tokens of a running request past its
@@ -44,7 +54,7 @@ from sglang_evict.srt.versioned import attention_tp_size
 
 logger = logging.getLogger(__name__)
 
-_BACKEND_CLASSES = {"TorchNativeAttnBackend": "torch_native"}
+_BACKEND_CLASSES = {"TorchNativeAttnBackend": "torch_native", "TritonAttnBackend": "triton"}
 _FORWARD_ARGS = ("q", "k", "v", "layer", "forward_batch")
 
 
@@ -265,10 +275,20 @@ def merge_decode(o, q, layer, forward_batch, arena, backend):
     table = arena.row_table[rows]
     if on_cpu:  # no graph to keep static: read only the groups some request holds
         table = table[:, : int(counts.max())]
-    o_tier, lse_tier = tier_attention_torch(
+        tier_attention = tier_attention_torch
+    else:
+        from sglang_evict_kernels.tier_attention import tier_attention_triton as tier_attention
+    o_tier, lse_tier = tier_attention(
         queries, arena.stores[layer.layer_id], table, counts, arena.fmt, sm_scale=layer.scaling
     )
-    lse_full = full_precision_lse(queries, layer, forward_batch, backend)
+    if _BACKEND_CLASSES.get(type(backend).__name__) == "triton":
+        metadata = backend.forward_metadata
+        indptr = metadata.kv_indptr
+        lse_full = split_kv_lse(
+            metadata.attn_lse[:b], metadata.num_kv_splits[:b], indptr[1 : b + 1] - indptr[:b]
+        )
+    else:
+        lse_full = full_precision_lse(queries, layer, forward_batch, backend)
     merged, _ = merge_attention_states(
         o.reshape(b, hq, layer.v_head_dim).float(), lse_full, o_tier, lse_tier
     )
@@ -292,6 +312,25 @@ def full_precision_lse(queries, layer, forward_batch, backend):
     live = torch.arange(width, device=seq_lens.device)[None, :] < seq_lens[:, None]
     scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
     return torch.logsumexp(scores, dim=-1).reshape(b, hq)
+
+
+def split_kv_lse(split_lse, num_kv_splits, kv_lens, min_block_kv: int | None = None):
+    """float32 ``[B, Hq]``: the log-sum-exp of each query over its request's KV, from the
+    split-KV decode's stage 1 (``split_lse`` ``[B, Hq, max splits]``, each split's own).
+    As SGLang's stage 2 reduces them: a request of ``L`` tokens in ``S`` splits has
+    splits of ``P = ceil(ceil(L / S) / min_block_kv) * min_block_kv`` tokens, and split
+    ``j`` counts when ``j * P < L`` (slots past those hold stale values). Static shapes."""
+    if min_block_kv is None:
+        from sglang.kernels.ops.attention.decode_attention import _MIN_BLOCK_KV
+
+        min_block_kv = _MIN_BLOCK_KV
+    lens = kv_lens.to(torch.int64)
+    splits = num_kv_splits.to(torch.int64).clamp(min=1)
+    per_split = (-(-lens // splits) + min_block_kv - 1) // min_block_kv * min_block_kv
+    starts = torch.arange(split_lse.shape[-1], device=lens.device)[None, :] * per_split[:, None]
+    live = starts < lens[:, None]  # [B, splits]
+    masked = split_lse.float().masked_fill(~live[:, None, :], float("-inf"))
+    return torch.logsumexp(masked, dim=-1)
 
 
 def report() -> dict | None:

@@ -90,6 +90,17 @@ class Shape:
     def of(cls, model) -> Shape:
         return cls(model.num_layers, model.num_kv_heads, model.head_dim)
 
+    @classmethod
+    def of_folder(cls, model_path) -> Shape:
+        """The shape a model folder's ``config.json`` declares (a Llama-family config)."""
+        import json
+        from pathlib import Path
+
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        return cls(config["num_hidden_layers"], config.get("num_key_value_heads", heads), head_dim)
+
 
 @dataclass(frozen=True)
 class Spend:
