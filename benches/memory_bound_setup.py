@@ -175,17 +175,7 @@ def run_needles(engine, tokenizer, samples, plan: RunPlan, shape, batch: int) ->
 
     if not samples:
         return {}
-    ratio = 0.0
-    if plan.tier_tokens:
-        config = plan.config
-        candidate = Candidate(
-            scorer=config.scorer,
-            bits=config.tier_bits,
-            group_tokens=config.tier_group_tokens,
-            outlier_tokens=config.tier_outlier_tokens,
-            value_group_channels=config.tier_value_group_channels,
-        )
-        ratio = tier_ratio(candidate, shape)
+    ratio = tier_ratio(Candidate.of_config(plan.config), shape) if plan.tier_tokens else 0.0
     sampling = {"max_new_tokens": NEEDLE_NEW_TOKENS, "temperature": 0}
     hits, held, started = [], [], time.monotonic()
     for start in range(0, len(samples), batch):

@@ -290,13 +290,7 @@ def _bytes_held(outputs: dict, prompts, policies: dict, model_path: Path) -> Non
             continue
         ratio = 0.0
         if policy.tier_bits is not None:
-            candidate = Candidate(
-                bits=policy.tier_bits,
-                group_tokens=policy.tier_group_tokens,
-                outlier_tokens=policy.tier_outlier_tokens,
-                value_group_channels=policy.tier_value_group_channels,
-            )
-            ratio = tier_ratio(candidate, shape)
+            ratio = tier_ratio(Candidate.of_config(policy), shape)
         fractions = []
         for prompt, output in zip(prompts, outputs[name], strict=True):
             report = report_of(output["meta_info"]) or {}

@@ -42,6 +42,7 @@ re-prefilled from its tokens, full precision).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -314,6 +315,14 @@ def full_precision_lse(queries, layer, forward_batch, backend):
     return torch.logsumexp(scores, dim=-1).reshape(b, hq)
 
 
+@functools.cache
+def _sglang_min_block_kv() -> int:
+    """The token granularity of SGLang's split-KV decode splits (read once)."""
+    from sglang.kernels.ops.attention.decode_attention import _MIN_BLOCK_KV
+
+    return _MIN_BLOCK_KV
+
+
 def split_kv_lse(split_lse, num_kv_splits, kv_lens, min_block_kv: int | None = None):
     """float32 ``[B, Hq]``: the log-sum-exp of each query over its request's KV, from the
     split-KV decode's stage 1 (``split_lse`` ``[B, Hq, max splits]``, each split's own).
@@ -321,9 +330,7 @@ def split_kv_lse(split_lse, num_kv_splits, kv_lens, min_block_kv: int | None = N
     splits of ``P = ceil(ceil(L / S) / min_block_kv) * min_block_kv`` tokens, and split
     ``j`` counts when ``j * P < L`` (slots past those hold stale values). Static shapes."""
     if min_block_kv is None:
-        from sglang.kernels.ops.attention.decode_attention import _MIN_BLOCK_KV
-
-        min_block_kv = _MIN_BLOCK_KV
+        min_block_kv = _sglang_min_block_kv()
     lens = kv_lens.to(torch.int64)
     splits = num_kv_splits.to(torch.int64).clamp(min=1)
     per_split = (-(-lens // splits) + min_block_kv - 1) // min_block_kv * min_block_kv

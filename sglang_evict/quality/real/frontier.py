@@ -52,6 +52,17 @@ class Candidate:
         return f"tier {self.bits}b G{self.group_tokens}{tail}"
 
     @classmethod
+    def of_config(cls, config) -> Candidate:
+        """The candidate an ``EvictionConfig`` runs (its tier's format, if any)."""
+        return cls(
+            scorer=config.scorer,
+            bits=config.tier_bits,
+            group_tokens=config.tier_group_tokens,
+            outlier_tokens=config.tier_outlier_tokens,
+            value_group_channels=config.tier_value_group_channels,
+        )
+
+    @classmethod
     def parse(cls, text: str, scorer: str = "streaming") -> Candidate:
         """``evict`` / ``evict:rkv`` or ``BITS:G[:OUTLIERS[:VALUE_GROUP]][/SCORER]``
         (``3:32``, ``2:64:3``, ``3:64:0:64`` (values in groups of 64 channels; 32 by
