@@ -20,6 +20,9 @@ host process (``sglang_evict.srt.engine_runner``):
             layer merges the tier's attention (``torch_native`` only so far: a CPU run,
             ``--device cpu --attention-backend torch_native``), so --modes plain,on,on+tier
             compares plain SGLang, eviction and the tier in one run
+    +tier-tensor  the same, the engine's CPU merge in its tensor form
+            (``SGLANG_EVICT_TIER_CPU_KERNEL=0``) instead of the compiled kernel, so
+            --modes on+tier,on+tier-tensor compares the two
 
 ``--paired`` adds, inside every ``on`` mode's engine, the same generation with every
 request turning eviction off for itself (``custom_params`` ``{"enabled": false}``,
@@ -133,11 +136,11 @@ def parse_modes(text: str) -> list[str]:
         if name in ("plain", "off") and not group and not suffix:
             continue
         group_ok = not group or group == "auto" or (group.isdigit() and int(group) >= 1)
-        if name == "on" and group_ok and suffix in ("", "graph", "tier"):
+        if name == "on" and group_ok and suffix in ("", "graph", "tier", "tier-tensor"):
             continue
         raise ValueError(
             f"--modes: {mode!r} is not one of plain, off, on, on:N (N >= 1 decode steps), "
-            f"on:auto, each on mode optionally +graph or +tier"
+            f"on:auto, each on mode optionally +graph, +tier or +tier-tensor"
         )
     if not modes or len(set(modes)) != len(modes):
         raise ValueError(f"--modes: give each mode once, at least one: {text!r}")
@@ -171,7 +174,7 @@ def policy_for(args: argparse.Namespace, mode: str) -> dict | None:
                 "tier_group_tokens": args.tier_group,
                 "tier_max_tokens": args.tier_tokens,
             }
-            if mode.endswith("+tier")
+            if mode.endswith(("+tier", "+tier-tensor"))
             else {}
         ),
     }
@@ -188,7 +191,10 @@ def run_mode(args: argparse.Namespace, mode: str, log_dir: Path) -> dict:
     sampling = {"max_new_tokens": args.out_len, "ignore_eos": True, "temperature": 0.0}
     log_path = log_dir / f"engine_{mode.replace(':', '_group').replace('+', '_')}.log"
     log_path.unlink(missing_ok=True)
-    with EngineProcess(engine_kwargs(args), policy=policy_for(args, mode), log_path=log_path) as e:
+    env = {"SGLANG_EVICT_TIER_CPU_KERNEL": "0"} if mode.endswith("+tier-tensor") else None
+    with EngineProcess(
+        engine_kwargs(args), policy=policy_for(args, mode), log_path=log_path, env=env
+    ) as e:
         info = e.server_info()
         warm = [[(7 * i + j) % (vocab - 3) + 3 for j in range(32)] for i in range(args.batch)]
         e.generate(warm, {"max_new_tokens": 16, "ignore_eos": True})  # compiles, captures

@@ -53,6 +53,7 @@ def test_engine_script_modes_compare_pass_groups_in_one_run(capsys):
     assert bench.policy_for(args, "off")["request_allow_disable"] is False
     # +tier: the same eviction with the quantized tier on
     assert bench.parse_modes("on,on+tier") == ["on", "on+tier"]
+    assert bench.parse_modes("on+tier,on+tier-tensor") == ["on+tier", "on+tier-tensor"]
     tier = bench.policy_for(args, "on+tier")
     assert (tier["tier_bits"], tier["tier_group_tokens"], tier["tier_max_tokens"]) == (3, 32, 256)
     assert "tier_bits" not in bench.policy_for(args, "on")

@@ -158,6 +158,20 @@ class TierStore:
     def tensors(self) -> dict[str, Tensor]:
         return dict(vars(self))
 
+    def kernel_args(self) -> tuple[Tensor, ...]:
+        """The tensors in the order every kernel takes them (the module docstring's)."""
+        return (
+            self.k_codes,
+            self.k_scale,
+            self.k_zero,
+            self.v_codes,
+            self.v_scale,
+            self.v_zero,
+            self.out_index,
+            self.out_k,
+            self.out_v,
+        )
+
     def check_contiguous(self) -> None:
         """The kernels index the store's tensors as dense arrays."""
         loose = [name for name, t in self.tensors().items() if not t.is_contiguous()]

@@ -21,7 +21,10 @@ backend's output over each request's full-precision KV with the request's attent
 over its tier. The full side's log-sum-exp comes from the backend:
 
 - ``torch_native`` (SGLang's CPU engine) returns none, so it is computed again from the
-  same keys the backend read (``req_to_token[row, :seq_len]``: ``full_precision_lse``);
+  same keys the backend read (``req_to_token[row, :seq_len]``: ``full_precision_lse``),
+  and the tier's side is the compiled CPU kernel (``tier_attention_cpu``, built when the
+  arena is allocated; ``tier_attention_torch`` where it cannot be built, said once in
+  the log and in ``get_server_info``'s ``tier.cpu_kernel``);
 - ``triton`` decodes split-KV in two stages, and stage 1 leaves each split's
   log-sum-exp in ``forward_metadata.attn_lse``: the full side's is their log-sum-exp over
   the splits stage 2 reduced (``split_kv_lse``; static shapes, no host read, so it can
@@ -92,6 +95,9 @@ class _Tier:
     plan: TierPlan | None = None
     arena: object | None = None  # sglang_evict.tier.arena.TierArena
     calls: dict = field(default_factory=lambda: {"decode_merged": 0, "decode_without": 0})
+    # CPU: the tier's side of the merge (``cpu_attention``) and what it is
+    cpu_attention: object | None = None
+    cpu_kernel: str = ""
 
 
 STATE = _Tier()
@@ -206,7 +212,32 @@ def _after_alloc_memory_pool(result, model_runner, *args, **kwargs):
     rows = model_runner.req_to_token_pool.req_to_token.shape[0]
     arena.enable_rows(rows, config.tier_max_tokens // config.tier_group_tokens)
     STATE.arena = arena
+    if arena.device.type == "cpu":
+        STATE.cpu_attention, STATE.cpu_kernel = cpu_tier_attention()
     return result
+
+
+def cpu_tier_attention():
+    """``(function, what it is)``: the tier's attention for SGLang's CPU engine, the
+    compiled kernel (``sglang_evict_kernels.tier_cpu``; built at start, once per machine,
+    so no decode step waits for a compiler) or, where it cannot be built, the tensor
+    form, with one warning naming why."""
+    from sglang_evict_kernels.tier_attention import tier_attention_torch
+    from sglang_evict_kernels.tier_cpu import ENV_SWITCH, cpu_kernel_status, tier_attention_cpu
+
+    logger.info(
+        "sglang-evict: loading the tier's CPU kernel (the first start on a machine builds it)"
+    )
+    loaded, why = cpu_kernel_status()
+    if loaded:
+        return tier_attention_cpu, "compiled"
+    logger.warning(
+        "sglang-evict: the tier's CPU kernel is not in use: %s. Decode steps use the tensor "
+        "form, several times slower at long tiers (%s=0 asks for it on purpose)",
+        why,
+        ENV_SWITCH,
+    )
+    return tier_attention_torch, f"tensor form: {why}"
 
 
 def attach(manager, model_runner) -> None:
@@ -276,7 +307,7 @@ def merge_decode(o, q, layer, forward_batch, arena, backend):
     table = arena.row_table[rows]
     if on_cpu:  # no graph to keep static: read only the groups some request holds
         table = table[:, : int(counts.max())]
-        tier_attention = tier_attention_torch
+        tier_attention = STATE.cpu_attention or tier_attention_torch
     else:
         from sglang_evict_kernels.tier_attention import tier_attention_triton as tier_attention
     o_tier, lse_tier = tier_attention(
@@ -359,4 +390,5 @@ def report() -> dict | None:
         "pool_tokens_after": plan.pool_tokens_after,
         "requests_with_tier": 0 if arena is None else len(arena.owned),
         "hook_calls": dict(STATE.calls),
+        "cpu_kernel": STATE.cpu_kernel or None,
     }

@@ -1,0 +1,307 @@
+// Decode attention over the quantized tier on CPU: tier_attention_reference's result
+// (sglang_evict_kernels/tier_attention.py) read straight from the packed bytes, one task
+// per (request, KV head). A group's key codes are unpacked, transposed, into a buffer of
+// head_dim x G floats (so the scores are loops over tokens), its values a token's row at
+// a time; nothing of the size of the tier is materialized, and the groups are streamed
+// with an online softmax.
+//
+// Keys are read with their per-channel scale folded into the query:
+//     q . (code * scale + zero) = (q * scale) . code + q . zero
+// (the same value, another rounding order); values are dequantized as the reference
+// does, code * scale + zero per token and block of channels. Outlier tokens read their
+// full-precision rows. Layouts: tier_format.py's module docstring; every tensor
+// contiguous (checked by the Python launcher).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// ``n`` floats from a tensor's elements of dtype ``type`` (the tier's scale dtypes and
+// the full-precision dtypes of outlier rows).
+inline void load_floats(const void* src, c10::ScalarType type, int64_t offset, int n, float* out) {
+  switch (type) {
+    case c10::ScalarType::Float: {
+      const float* p = static_cast<const float*>(src) + offset;
+      for (int i = 0; i < n; ++i) out[i] = p[i];
+      break;
+    }
+    case c10::ScalarType::Half: {
+      const c10::Half* p = static_cast<const c10::Half*>(src) + offset;
+      for (int i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
+      break;
+    }
+    case c10::ScalarType::BFloat16: {
+      const c10::BFloat16* p = static_cast<const c10::BFloat16*>(src) + offset;
+      for (int i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "tier CPU kernel: unsupported dtype ", type);
+  }
+}
+
+// exp(x) for the softmax's x <= 0, in operations a loop over tokens vectorizes (Cephes'
+// expf polynomial on [-ln2/2, ln2/2], relative error about 1e-7); below -87 it returns
+// exp(-87) ~ 1.6e-38 instead of a denormal, which weighs nothing beside the maximum's 1.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// A row of ``d`` codes of BITS bits: chunks of 8 codes in BITS bytes, little-endian.
+template <int BITS>
+using Word = std::conditional_t<(BITS * 8 <= 32), uint32_t, uint64_t>;
+
+template <int BITS>
+inline Word<BITS> chunk_word(const uint8_t* chunk) {
+  Word<BITS> word = 0;
+  for (int k = 0; k < BITS; ++k) word |= Word<BITS>(chunk[k]) << (8 * k);
+  return word;
+}
+
+template <int BITS>
+inline void unpack_row(const uint8_t* row, int64_t d, float* out) {
+  constexpr Word<BITS> kMask = (Word<BITS>(1) << BITS) - 1;
+  for (int64_t c = 0; c < d / 8; ++c) {
+    const Word<BITS> word = chunk_word<BITS>(row + c * BITS);
+    for (int j = 0; j < 8; ++j) out[c * 8 + j] = float((word >> (BITS * j)) & kMask);
+  }
+}
+
+struct Inputs {
+  const float* q;         // [B, HQ, D]
+  const int64_t* table;   // [B, W]
+  const int64_t* counts;  // [B]
+  const uint8_t* k_codes;  // [S, G, H, PD]
+  const void* k_scale;     // [S, H, D]
+  const void* k_zero;
+  const uint8_t* v_codes;  // [S, G, H, PD]
+  const void* v_scale;     // [S, G, H, NB]
+  const void* v_zero;
+  const int16_t* out_index;  // [S, H, NO]
+  const void* out_k;         // [S, H, NO, D]
+  const void* out_v;
+  c10::ScalarType scale_type, full_type;
+  int64_t b, w, hq, h, d, g, c, no, pd;
+  float sm_scale;
+  float* o;    // [B, HQ, D]
+  float* lse;  // [B, HQ]
+};
+
+// One task's buffers, sized once per task range.
+struct Scratch {
+  std::vector<float> qv, qs, acc, bias, m, l, sc, key_t, codes, ks, kz, vrow, vs, vz;
+  std::vector<int> outlier_of;
+  explicit Scratch(const Inputs& in) {
+    const int64_t P = in.hq / in.h, D = in.d, G = in.g, NB = in.d / in.c;
+    qv.resize(P * D);
+    qs.resize(P * D);
+    acc.resize(P * D);
+    bias.resize(P);
+    m.resize(P);
+    l.resize(P);
+    sc.resize(P * G);
+    key_t.resize(D * G);
+    codes.resize(D);
+    ks.resize(D);
+    kz.resize(D);
+    vrow.resize(D);
+    vs.resize(NB);
+    vz.resize(NB);
+    outlier_of.resize(G);
+  }
+};
+
+// Request ``row``'s attention for the query heads of KV head ``head``.
+template <int BITS>
+void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
+  constexpr Word<BITS> kMask = (Word<BITS>(1) << BITS) - 1;
+  const int64_t P = in.hq / in.h, D = in.d, G = in.g, NB = in.d / in.c, H = in.h;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  std::fill(s.l.begin(), s.l.end(), 0.f);
+  std::fill(s.m.begin(), s.m.end(), neg_inf);
+  for (int64_t p = 0; p < P; ++p) {
+    const float* src = in.q + (row * in.hq + head * P + p) * D;
+    for (int64_t i = 0; i < D; ++i) s.qv[p * D + i] = src[i] * in.sm_scale;
+  }
+  std::vector<Word<BITS>> words(G);
+  const int64_t count = std::min<int64_t>(std::max<int64_t>(in.counts[row], 0), in.w);
+  for (int64_t gi = 0; gi < count; ++gi) {
+    const int64_t slot = in.table[row * in.w + gi];
+    const int64_t sh = slot * H + head;
+    const int64_t token_stride = H * in.pd;  // bytes from one token's row to the next's
+    const uint8_t* k_rows = in.k_codes + (slot * G * H + head) * in.pd;
+    // keys, transposed: key_t[channel * G + token], a loop over tokens per channel
+    for (int64_t c = 0; c < D / 8; ++c) {
+      for (int64_t t = 0; t < G; ++t) words[t] = chunk_word<BITS>(k_rows + t * token_stride + c * BITS);
+      for (int j = 0; j < 8; ++j) {
+        float* col = s.key_t.data() + (c * 8 + j) * G;
+        for (int64_t t = 0; t < G; ++t) col[t] = float((words[t] >> (BITS * j)) & kMask);
+      }
+    }
+    load_floats(in.k_scale, in.scale_type, sh * D, D, s.ks.data());
+    load_floats(in.k_zero, in.scale_type, sh * D, D, s.kz.data());
+    for (int64_t p = 0; p < P; ++p) {
+      float* scores = s.sc.data() + p * G;
+      float bias = 0.f;
+      for (int64_t i = 0; i < D; ++i) bias += s.qv[p * D + i] * s.kz[i];
+      for (int64_t t = 0; t < G; ++t) scores[t] = bias;
+      for (int64_t i = 0; i < D; ++i) {
+        const float a = s.qv[p * D + i] * s.ks[i];
+        const float* col = s.key_t.data() + i * G;
+        for (int64_t t = 0; t < G; ++t) scores[t] += a * col[t];
+      }
+    }
+    std::fill(s.outlier_of.begin(), s.outlier_of.end(), -1);
+    for (int64_t n = 0; n < in.no; ++n) {
+      const int64_t t = in.out_index[sh * in.no + n];
+      if (t < 0 || t >= G) continue;
+      s.outlier_of[t] = int(n);
+      load_floats(in.out_k, in.full_type, (sh * in.no + n) * D, D, s.codes.data());
+      for (int64_t p = 0; p < P; ++p) {
+        float score = 0.f;
+        for (int64_t i = 0; i < D; ++i) score += s.qv[p * D + i] * s.codes[i];
+        s.sc[p * G + t] = score;
+      }
+    }
+    // online softmax: rescale what came before, then this group's weights
+    for (int64_t p = 0; p < P; ++p) {
+      float* scores = s.sc.data() + p * G;
+      float top = s.m[p];
+      for (int64_t t = 0; t < G; ++t) top = std::max(top, scores[t]);
+      const float alpha = s.m[p] == neg_inf ? 0.f : std::exp(s.m[p] - top);
+      for (int64_t t = 0; t < G; ++t) scores[t] = exp_nonpositive(scores[t] - top);
+      float sum = 0.f;
+      for (int64_t t = 0; t < G; ++t) sum += scores[t];
+      s.l[p] = s.l[p] * alpha + sum;
+      if (alpha != 1.f)
+        for (int64_t i = 0; i < D; ++i) s.acc[p * D + i] *= alpha;
+      s.m[p] = top;
+    }
+    // values, a token's row at a time
+    for (int64_t t = 0; t < G; ++t) {
+      const int n = s.outlier_of[t];
+      if (n >= 0) {
+        load_floats(in.out_v, in.full_type, (sh * in.no + n) * D, D, s.vrow.data());
+      } else {
+        const int64_t tok = (slot * G + t) * H + head;
+        unpack_row<BITS>(in.v_codes + tok * in.pd, D, s.codes.data());
+        load_floats(in.v_scale, in.scale_type, tok * NB, NB, s.vs.data());
+        load_floats(in.v_zero, in.scale_type, tok * NB, NB, s.vz.data());
+        for (int64_t blk = 0; blk < NB; ++blk)
+          for (int64_t i = blk * in.c; i < (blk + 1) * in.c; ++i)
+            s.vrow[i] = s.codes[i] * s.vs[blk] + s.vz[blk];
+      }
+      for (int64_t p = 0; p < P; ++p) {
+        const float e = s.sc[p * G + t];
+        float* a = s.acc.data() + p * D;
+        for (int64_t i = 0; i < D; ++i) a[i] += e * s.vrow[i];
+      }
+    }
+  }
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t qh = row * in.hq + head * P + p;
+    float* out = in.o + qh * D;
+    if (s.l[p] > 0.f) {
+      for (int64_t i = 0; i < D; ++i) out[i] = s.acc[p * D + i] / s.l[p];
+      in.lse[qh] = s.m[p] + std::log(s.l[p]);
+    } else {
+      for (int64_t i = 0; i < D; ++i) out[i] = 0.f;
+      in.lse[qh] = neg_inf;
+    }
+  }
+}
+
+std::vector<torch::Tensor> tier_attention(
+    torch::Tensor q, torch::Tensor table, torch::Tensor counts, torch::Tensor k_codes,
+    torch::Tensor k_scale, torch::Tensor k_zero, torch::Tensor v_codes, torch::Tensor v_scale,
+    torch::Tensor v_zero, torch::Tensor out_index, torch::Tensor out_k, torch::Tensor out_v,
+    int64_t bits, int64_t group_channels, double sm_scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3,
+              "tier CPU kernel: queries must be contiguous float32 [B, HQ, D]");
+  TORCH_CHECK(table.scalar_type() == torch::kInt64 && counts.scalar_type() == torch::kInt64,
+              "tier CPU kernel: the group table and counts must be int64");
+  TORCH_CHECK(out_index.scalar_type() == torch::kInt16, "tier CPU kernel: out_index must be int16");
+  Inputs in;
+  in.b = q.size(0);
+  in.hq = q.size(1);
+  in.d = q.size(2);
+  in.w = table.size(1);
+  in.g = k_codes.size(1);
+  in.h = k_codes.size(2);
+  in.pd = k_codes.size(3);
+  in.c = group_channels;
+  in.no = out_index.size(2);
+  TORCH_CHECK(in.d % 8 == 0 && in.d % in.c == 0 && in.hq % in.h == 0,
+              "tier CPU kernel: head dim ", in.d, " / value group ", in.c, " / heads ", in.hq,
+              " over ", in.h, " do not fit");
+  TORCH_CHECK(in.pd * 8 == in.d * bits, "tier CPU kernel: packed rows of ", in.pd,
+              " bytes do not hold ", in.d, " codes of ", bits, " bits");
+  auto readable = [](c10::ScalarType t) {
+    return t == torch::kFloat32 || t == torch::kFloat16 || t == torch::kBFloat16;
+  };
+  TORCH_CHECK(readable(k_scale.scalar_type()) && readable(out_k.scalar_type()),
+              "tier CPU kernel: scales and outlier rows must be float32, float16 or bfloat16");
+  auto o = torch::empty({in.b, in.hq, in.d}, q.options());
+  auto lse = torch::empty({in.b, in.hq}, q.options());
+  in.q = q.data_ptr<float>();
+  in.table = table.data_ptr<int64_t>();
+  in.counts = counts.data_ptr<int64_t>();
+  in.k_codes = k_codes.data_ptr<uint8_t>();
+  in.v_codes = v_codes.data_ptr<uint8_t>();
+  in.k_scale = k_scale.data_ptr();
+  in.k_zero = k_zero.data_ptr();
+  in.v_scale = v_scale.data_ptr();
+  in.v_zero = v_zero.data_ptr();
+  in.out_index = out_index.data_ptr<int16_t>();
+  in.out_k = out_k.data_ptr();
+  in.out_v = out_v.data_ptr();
+  in.scale_type = k_scale.scalar_type();
+  in.full_type = out_k.scalar_type();
+  in.sm_scale = float(sm_scale);
+  in.o = o.data_ptr<float>();
+  in.lse = lse.data_ptr<float>();
+  auto task = [&](int64_t begin, int64_t end) {
+    Scratch scratch(in);
+    for (int64_t i = begin; i < end; ++i) {
+      switch (bits) {
+        case 2: attend<2>(in, i / in.h, i % in.h, scratch); break;
+        case 3: attend<3>(in, i / in.h, i % in.h, scratch); break;
+        case 4: attend<4>(in, i / in.h, i % in.h, scratch); break;
+        default: attend<8>(in, i / in.h, i % in.h, scratch); break;
+      }
+    }
+  };
+  TORCH_CHECK(bits == 2 || bits == 3 || bits == 4 || bits == 8,
+              "tier CPU kernel: ", bits, " bits not supported");
+  at::parallel_for(0, in.b * in.h, 1, task);
+  return {o, lse};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("tier_attention", &tier_attention,
+        "Decode attention over the quantized tier (float32 o, lse), on CPU");
+}

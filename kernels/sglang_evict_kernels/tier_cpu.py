@@ -1,0 +1,121 @@
+"""The tier's decode attention on CPU as a compiled kernel (``csrc/tier_attention_cpu.
+cpp``), held to ``tier_attention_reference`` like the Triton kernel.
+
+SGLang's CPU engine runs no Triton kernel in its decode step, and the tensor form
+(``tier_attention_torch``) dequantizes every group of the batch into float32 tensors at
+every layer: on a 2-core CPU that costs more than the model's own step. The kernel
+reads the packed bytes of one group at a time instead. It is built from source with
+PyTorch's extension builder on first use (a C++ compiler and ninja; about half a minute,
+once per machine: the build lands in ``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``). ``cpu_kernel_status()`` says whether it loaded and why
+not; SGLang's engine falls back to ``tier_attention_torch`` with one warning when it
+did not. ``SGLANG_EVICT_TIER_CPU_KERNEL=0`` asks for the tensor form.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import os
+import platform
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from sglang_evict_kernels.tier_attention import check_attention_inputs
+from sglang_evict_kernels.tier_format import TierFormat, TierStore
+
+SOURCE = Path(__file__).parent / "csrc" / "tier_attention_cpu.cpp"
+ENV_SWITCH = "SGLANG_EVICT_TIER_CPU_KERNEL"
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The compiled CPU kernel could not be built or loaded (the message says why)."""
+
+
+def _machine_tag() -> str:
+    """Source and CPU in the build's name: the build uses ``-march=native``, so a cache
+    folder shared between machines never hands one CPU another's build."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(platform.machine().encode())
+    try:
+        flags = [
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ][:1]
+    except OSError:
+        flags = []
+    digest.update("".join(flags).encode())
+    digest.update(torch.__version__.encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def _load():
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        raise CpuKernelUnavailable(f"turned off by {ENV_SWITCH}=0")
+    if not SOURCE.is_file():
+        raise CpuKernelUnavailable(f"its source {SOURCE} is missing from the installed package")
+    try:
+        from torch.utils import cpp_extension
+
+        return cpp_extension.load(
+            name=f"sglang_evict_tier_cpu_{_machine_tag()}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as error:  # a missing compiler or ninja, a failed build
+        first = str(error).strip().splitlines()[:1] or [type(error).__name__]
+        raise CpuKernelUnavailable(
+            f"building it failed ({first[0][:300]}); it needs a C++ compiler and ninja "
+            f"(`pip install ninja`)"
+        ) from error
+
+
+def load_cpu_kernel():
+    """The compiled module; builds it on first use. Raises ``CpuKernelUnavailable``."""
+    return _load()
+
+
+def cpu_kernel_status() -> tuple[bool, str]:
+    """``(loaded, why not)``: builds the kernel if it was not yet."""
+    try:
+        load_cpu_kernel()
+    except CpuKernelUnavailable as error:
+        return False, str(error)
+    return True, ""
+
+
+def tier_attention_cpu(
+    q: Tensor,
+    store: TierStore,
+    group_table: Tensor,
+    num_groups: Tensor,
+    fmt: TierFormat,
+    sm_scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``tier_attention_reference``'s result (float32 ``o [B, Hq, D]``, ``lse [B, Hq]``)
+    from the packed bytes, by the compiled kernel; CPU tensors only."""
+    check_attention_inputs(q, store, group_table, num_groups, fmt)
+    store.check_contiguous()
+    if q.device.type != "cpu" or store.k_codes.device.type != "cpu":
+        raise ValueError(
+            "tier_attention_cpu runs on CPU tensors; on CUDA use tier_attention_triton"
+        )
+    sm_scale = 1.0 / math.sqrt(fmt.head_dim) if sm_scale is None else sm_scale
+    kernel = load_cpu_kernel()
+    o, lse = kernel.tier_attention(
+        q.float().contiguous(),
+        group_table.to(torch.int64).contiguous(),
+        num_groups.to(torch.int64).contiguous(),
+        *store.kernel_args(),
+        fmt.bits,
+        fmt.value_group_channels,
+        float(sm_scale),
+    )
+    return o, lse
