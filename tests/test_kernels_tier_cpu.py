@@ -121,6 +121,10 @@ def test_inputs_the_kernel_cannot_read_are_refused():
         tier_attention_cpu(q[:, :, :32], store, table, counts, fmt)
     with pytest.raises(ValueError, match="num_groups must be"):
         tier_attention_cpu(q, store, table, counts[:1], fmt)
+    bad_table = table.clone()
+    bad_table[0, 0] = store.num_slots  # past the store: refused, nothing read
+    with pytest.raises(RuntimeError, match="names slot"):
+        tier_attention_cpu(q, store, bad_table, counts, fmt)
     store.v_scale = store.v_scale.transpose(0, 1).contiguous().transpose(0, 1)
     with pytest.raises(ValueError, match="v_scale"):
         tier_attention_cpu(q, store, table, counts, fmt)

@@ -102,7 +102,7 @@ struct Inputs {
   const void* out_k;         // [S, H, NO, D]
   const void* out_v;
   c10::ScalarType scale_type, full_type;
-  int64_t b, w, hq, h, d, g, c, no, pd;
+  int64_t b, w, hq, h, d, g, c, no, pd, slots;
   float sm_scale;
   float* o;    // [B, HQ, D]
   float* lse;  // [B, HQ]
@@ -110,14 +110,13 @@ struct Inputs {
 
 // One task's buffers, sized once per task range.
 struct Scratch {
-  std::vector<float> qv, qs, acc, bias, m, l, sc, key_t, codes, ks, kz, vrow, vs, vz;
+  std::vector<float> qv, qs, acc, m, l, sc, key_t, codes, ks, kz, vrow, vs, vz;
   std::vector<int> outlier_of;
   explicit Scratch(const Inputs& in) {
     const int64_t P = in.hq / in.h, D = in.d, G = in.g, NB = in.d / in.c;
     qv.resize(P * D);
     qs.resize(P * D);
     acc.resize(P * D);
-    bias.resize(P);
     m.resize(P);
     l.resize(P);
     sc.resize(P * G);
@@ -149,6 +148,8 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
   const int64_t count = std::min<int64_t>(std::max<int64_t>(in.counts[row], 0), in.w);
   for (int64_t gi = 0; gi < count; ++gi) {
     const int64_t slot = in.table[row * in.w + gi];
+    TORCH_CHECK(slot >= 0 && slot < in.slots, "tier CPU kernel: request ", row, " group ", gi,
+                " names slot ", slot, " of a store of ", in.slots);
     const int64_t sh = slot * H + head;
     const int64_t token_stride = H * in.pd;  // bytes from one token's row to the next's
     const uint8_t* k_rows = in.k_codes + (slot * G * H + head) * in.pd;
@@ -251,6 +252,7 @@ std::vector<torch::Tensor> tier_attention(
   in.g = k_codes.size(1);
   in.h = k_codes.size(2);
   in.pd = k_codes.size(3);
+  in.slots = k_codes.size(0);
   in.c = group_channels;
   in.no = out_index.size(2);
   TORCH_CHECK(in.d % 8 == 0 && in.d % in.c == 0 && in.hq % in.h == 0,
