@@ -68,8 +68,7 @@ def plan_runs(args, shape, runs) -> dict[str, RunPlan]:
     import torch
 
     from sglang_evict.config import EvictionConfig
-    from sglang_evict.quality.real.frontier import Candidate, spend
-    from sglang_evict.tier.policy import full_bytes_per_token, tier_bytes_per_token
+    from sglang_evict.quality.real.frontier import Candidate, spend, tier_ratio
 
     length = args.prompt_tokens + args.new_tokens
     min_budget = args.sinks + args.window + 1
@@ -108,17 +107,7 @@ def plan_runs(args, shape, runs) -> dict[str, RunPlan]:
         tier_tokens = max(g, tier_spend.tier_tokens // g * g)
         # The arena's share of the pool: a request's tier bytes over all it holds, in
         # the engine's KV dtype (float32 on CPU), so the arena and the pool fill together.
-        from sglang_evict_kernels.tier_format import TierFormat
-
-        fmt = TierFormat(
-            bits=tier.bits,
-            group_tokens=g,
-            outlier_tokens=tier.outlier_tokens,
-            value_group_channels=tier.value_group_channels,
-            head_dim=shape.head_dim,
-        )
-        dims = (fmt, shape.num_layers, shape.num_kv_heads, torch.float32)
-        ratio = tier_bytes_per_token(*dims) / full_bytes_per_token(*dims)
+        ratio = tier_ratio(tier, shape, torch.float32)
         full_bound = tier_spend.budget_tokens + g + 2 * args.page_size
         share = tier_tokens * ratio / (full_bound + tier_tokens * ratio)
         plans["tier"] = RunPlan(

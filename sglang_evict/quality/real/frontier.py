@@ -122,12 +122,13 @@ class Spend:
     fraction: float  # the bytes it holds after a pass over ``length`` tokens
 
 
-def tier_ratio(candidate: Candidate, shape: Shape) -> float:
-    """A tier token's bytes over a full-precision token's (every layer and KV head)."""
+def tier_ratio(candidate: Candidate, shape: Shape, full_dtype: torch.dtype = BYTES_DTYPE) -> float:
+    """A tier token's bytes over a full-precision token's (every layer and KV head),
+    full precision in ``full_dtype`` (the accounting's bfloat16 unless asked)."""
     from sglang_evict.tier.policy import full_bytes_per_token, tier_bytes_per_token
 
     fmt = _format(candidate, shape)
-    args = (fmt, shape.num_layers, shape.num_kv_heads, BYTES_DTYPE)
+    args = (fmt, shape.num_layers, shape.num_kv_heads, full_dtype)
     return tier_bytes_per_token(*args) / full_bytes_per_token(*args)
 
 
