@@ -41,7 +41,20 @@ HEAD_DIM_64_SHAPE = dict(
     num_kv_heads=1,
     intermediate_size=256,
 )
-SHAPES = {"base": MODEL_SHAPE, "head_dim64": HEAD_DIM_64_SHAPE}
+# Head dim 64 with two KV heads (grouped queries): the tier under tensor parallelism,
+# each of two ranks holding one KV head (``tests/test_engine_tensor_parallel.py``).
+HEAD_DIM_64_KV2_SHAPE = dict(
+    hidden_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=512,
+)
+SHAPES = {
+    "base": MODEL_SHAPE,
+    "head_dim64": HEAD_DIM_64_SHAPE,
+    "head_dim64_kv2": HEAD_DIM_64_KV2_SHAPE,
+}
 SEED = 0
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (UNK, BOS, EOS)  # ids 0, 1, 2

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,7 +104,8 @@ class EngineSpec:
         overlap = "" if self.overlap else "-no-overlap"
         settings = {**json.loads(self.engine_json), **json.loads(self.env_json)}
         model = settings.pop("model_path", None)
-        extra = "".join(f"-{k}{v}" for k, v in settings.items())
+        # Values may hold paths and separators (``cpu_tp_env``): a file name keeps none.
+        extra = "".join(re.sub(r"[^\w.-]+", "_", f"-{k}{v}") for k, v in settings.items())
         if model is not None:
             extra += f"-model-{Path(model).name}"
         return f"{kind}-page{self.page_size}{overlap}-pool{self.max_total_tokens}{extra}"

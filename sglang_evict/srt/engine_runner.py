@@ -71,6 +71,37 @@ def cpu_engine_kwargs(model_path: str | os.PathLike, **overrides) -> dict:
     return kwargs
 
 
+# SGLang on CPU builds its tensor-parallel groups with PyNccl whenever an NCCL library
+# loads (torch's CUDA wheels bring one) and then asks for a CUDA device; pointing
+# SGLANG_NCCL_SO_PATH at no library makes it fall back to gloo, as on a machine without
+# NCCL. Checked on SGLang 0.5.17 and 0.5.23.
+NO_NCCL_LIBRARY = "/nonexistent/libnccl.so.2"
+
+
+def cpu_tp_env(tp_size: int, cores: list[int] | None = None) -> dict[str, str]:
+    """Environment for ``tp_size`` ranks of SGLang's engine on CPU (``tp_size`` in
+    ``cpu_engine_kwargs``): gloo instead of NCCL, and the cores each rank may use
+    (SGLang asks for them when there are more ranks than NUMA nodes), split evenly over
+    the cores this process may run on (ranks share a core when there are fewer)."""
+    if tp_size < 2:
+        return {}
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if len(cores) >= tp_size:
+        per_rank = len(cores) // tp_size
+        shares = [cores[r * per_rank : (r + 1) * per_rank] for r in range(tp_size)]
+    else:
+        shares = [[cores[r % len(cores)]] for r in range(tp_size)]
+    bind = "|".join(_core_list(share) for share in shares)
+    return {"SGLANG_NCCL_SO_PATH": NO_NCCL_LIBRARY, "SGLANG_CPU_OMP_THREADS_BIND": bind}
+
+
+def _core_list(cores: list[int]) -> str:
+    """SGLang's spelling of a rank's cores: ``3``, ``0-15``, or ``0,2,5``."""
+    if len(cores) > 1 and cores[-1] - cores[0] == len(cores) - 1:
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
 def server_flags(engine_kwargs: dict) -> list[str]:
     """The ``sglang.launch_server`` flags equivalent to ``sglang.Engine`` arguments."""
     flags = []

@@ -340,12 +340,6 @@ def _tier_problems(server_args, config: EvictionConfig) -> list[str]:
             "--kv-tier-bits with --kv-compactor grpc: the sidecar does not run the tier's "
             "quantize-and-pack yet; use --kv-compactor inprocess or drop --kv-tier-*"
         )
-    tp_size = getattr(server_args, "tp_size", 1) or 1
-    if tp_size > 1:
-        problems.append(
-            f"--kv-tier-bits with --tp-size {tp_size}: the tier is not verified under tensor "
-            f"parallelism yet; use --tp-size 1 or drop --kv-tier-*"
-        )
     if getattr(server_args, "enable_torch_compile", False):
         problems.append(
             "--kv-tier-bits with --enable-torch-compile: the tier's merge inside the "

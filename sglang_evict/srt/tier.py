@@ -381,6 +381,7 @@ def report() -> dict | None:
     return {
         "bits": plan.config.tier_bits,
         "group_tokens": group_tokens,
+        "kv_heads": plan.kv_heads,  # this rank's: its share under tensor parallelism
         "num_groups": plan.num_groups,
         "groups_held": held,
         "tokens_held": held * group_tokens,
