@@ -32,6 +32,10 @@ table:
     python3 benches/bench_memory_bound.py                  # tiny model, ~6 min on 2 cores
     python3 benches/bench_memory_bound.py --model smollm2 --runs plain,bounded,tier
 
+``--runs`` may add ``ample``: plain SGLang again, with a pool that holds every request
+whole, so nothing waits for memory. Its rate is what this machine serves when memory
+does not bind, the yardstick for what a memory saving can buy here.
+
 It prints a table and the ratios against plain SGLang, writes ``--json`` and a plot
 (``--plot``: running requests and KV held over time, side by side), and checks that
 eviction with and without budget-aware admission produced the same tokens for every
@@ -44,11 +48,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
 
 from memory_bound_setup import (
+    DEFAULT_RUNS,
     MODELS,
     RUNS,
     needle_samples,
@@ -68,8 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--runs",
-        default=",".join(RUNS),
-        help=f"comma-separated, of {','.join(RUNS)} (default: all)",
+        default=",".join(DEFAULT_RUNS),
+        help=(
+            f"comma-separated, of {','.join(RUNS)} (default: {','.join(DEFAULT_RUNS)}; "
+            f"ample: plain SGLang with a pool holding every request whole, the machine's "
+            f"rate when memory does not bind)"
+        ),
     )
     parser.add_argument("--requests", type=int, default=None, help="default 96; smollm2 16")
     parser.add_argument("--prompt-tokens", type=int, default=32)
@@ -286,7 +296,7 @@ def plot(path: Path, series: dict, title: str) -> bool:
     top.set_ylabel("running requests")
     bottom.set_ylabel("KV tokens held (#token)")
     bottom.set_xlabel("seconds since the workload started")
-    top.set_title(title)
+    top.set_title(textwrap.fill(title, 90), fontsize=10)
     for axis in (top, bottom):
         axis.grid(alpha=0.3)
         axis.legend()
@@ -317,12 +327,7 @@ def main(argv=None) -> int:
             f"bench_memory_bound: a needle prompt of {longest_needle} tokens does not fit a "
             f"pool of {pool_tokens}; raise --pool-requests"
         )
-    kwargs = cpu_engine_kwargs(
-        model_path,
-        page_size=page,
-        max_total_tokens=pool_tokens,
-        max_running_requests=args.requests,
-    )
+    whole_pool_tokens = args.requests * (length + page)
     sampling = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
     print(
         f"bench_memory_bound ({model_label}): pool {pool_tokens} tokens (~{args.pool_requests} "
@@ -337,6 +342,15 @@ def main(argv=None) -> int:
     for name, plan in plans.items():
         log_path = log_dir / f"bench-memory-bound-{name}.log"
         bound_tokens = max(args.prompt_tokens, plan.budget_tokens or 0) + args.cadence + page
+        run_pool = whole_pool_tokens if plan.whole_pool else pool_tokens
+        kwargs = cpu_engine_kwargs(
+            model_path,
+            page_size=page,
+            max_total_tokens=run_pool,
+            max_running_requests=args.requests,
+        )
+        # ``ample`` answers no needles: its configuration is plain's.
+        run_samples = [] if plan.whole_pool else needles
         try:
             with EngineProcess(kwargs, policy=plan.config, log_path=log_path) as engine:
                 mark = engine.mark()
@@ -347,11 +361,14 @@ def main(argv=None) -> int:
                 )
                 idle_ok = idle_check_passed(engine, mark, plugin, checks_before)
                 state = engine.plugin_state() if plugin else None
-                needle = run_needles(engine, tokenizer, needles, plan, shape, args.pool_requests)
+                needle = run_needles(
+                    engine, tokenizer, run_samples, plan, shape, args.pool_requests
+                )
         except EngineError as error:
             print(f"bench_memory_bound: {name}: engine error: {error}", file=sys.stderr)
             return 2
-        row = summarise(steps, outs, facts["wall_s"], pool_tokens, bound_tokens)
+        row = summarise(steps, outs, facts["wall_s"], run_pool, bound_tokens)
+        row["pool_tokens"] = run_pool
         row.update(needle)
         row["idle_check_ok"] = bool(idle_ok)
         row["kv_fraction"] = plan.kv_fraction
@@ -407,13 +424,23 @@ def main(argv=None) -> int:
 
 def _describe(plan) -> str:
     if plan.config is None:
-        return f"{plan.name} 1.00 (full)"
+        whole = ", every request whole in its pool" if plan.whole_pool else ""
+        return f"{plan.name} 1.00 (full{whole})"
     tail = f" + tier {plan.tier_tokens} at {plan.config.tier_bits} bits" if plan.tier_tokens else ""
     return f"{plan.name} {plan.kv_fraction:.2f} ({plan.budget_tokens} tokens{tail})"
 
 
 def _print_ratios(rows: dict, args) -> None:
     plain = rows.get("plain")
+    ample = rows.get("ample")
+    if plain is not None and ample is not None and plain["output_tokens_per_min"]:
+        print(
+            f"ample / plain: output tokens per minute "
+            f"{ample['output_tokens_per_min'] / plain['output_tokens_per_min']:.2f}x at "
+            f"{ample['mean_running'] / plain['mean_running']:.2f}x the running requests "
+            f"(plain SGLang, a pool of {ample['pool_tokens']} tokens holding all "
+            f"{args.requests} requests whole: this machine's rate when memory does not bind)"
+        )
     for name in ("bounded", "tier"):
         row = rows.get(name)
         if plain is None or row is None or not plain["output_tokens_per_min"]:

@@ -16,7 +16,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-RUNS = ("plain", "evict", "bounded", "tier")
+RUNS = ("plain", "ample", "evict", "bounded", "tier")
+# ``ample`` (plain SGLang with a pool that holds every request whole: what this machine
+# serves when memory does not bind) is asked for by name.
+DEFAULT_RUNS = ("plain", "evict", "bounded", "tier")
 MODELS = ("tiny", "smollm2")
 NEEDLE_NEW_TOKENS = 24
 NEEDLE_KINDS = ("code7", "code5", "word", "time")
@@ -33,6 +36,7 @@ class RunPlan:
     kv_fraction: float  # planned bytes per request over a full-length request's (bf16)
     budget_tokens: int | None
     tier_tokens: int
+    whole_pool: bool = False  # a pool holding every request whole, not the bench's
 
 
 def resolve_model(name: str) -> tuple[Path, str]:
@@ -80,7 +84,10 @@ def plan_runs(args, shape, runs) -> dict[str, RunPlan]:
         evict_prompt=True,
         query_window_tokens=args.query_window,
     )
-    plans = {"plain": RunPlan("plain", None, 1.0, None, 0)}
+    plans = {
+        "plain": RunPlan("plain", None, 1.0, None, 0),
+        "ample": RunPlan("ample", None, 1.0, None, 0, whole_pool=True),
+    }
     evict = Candidate.parse(f"evict:{args.scorer}")
     try:
         tier = Candidate.parse(args.tier, scorer=args.scorer)

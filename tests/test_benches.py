@@ -271,6 +271,15 @@ def test_memory_bound_plans_hold_eviction_and_the_tier_to_the_same_bytes(monkeyp
     assert plans["evict"].config.admission == "sglang"
 
 
+def test_memory_bound_ample_run_is_plain_sglang_on_a_whole_pool_asked_for_by_name(monkeypatch):
+    plans, args = _memory_bound_plans(monkeypatch, "--model", "smollm2")
+    assert "ample" not in args.runs and list(plans) == ["plain", "evict", "bounded", "tier"]
+    plans, args = _memory_bound_plans(monkeypatch, "--runs", "tier,ample,plain")
+    assert list(plans) == ["plain", "ample", "tier"]  # the bench's order, not the flag's
+    assert plans["ample"].config is None and plans["ample"].whole_pool
+    assert not plans["plain"].whole_pool and not plans["tier"].whole_pool
+
+
 def test_memory_bound_plans_refuse_bytes_that_hold_no_tier_naming_the_flag(monkeypatch):
     with pytest.raises(SystemExit, match="--kv-fraction"):
         _memory_bound_plans(monkeypatch, "--new-tokens", "96", "--kv-fraction", "0.25")
