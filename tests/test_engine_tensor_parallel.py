@@ -11,6 +11,7 @@ same with SGLang's memory classes in two gloo processes)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -50,8 +51,6 @@ def tp_model():
 
 def pass_records_by_rank(log: str) -> dict[int, list[dict]]:
     """Each rank's pass records in its log order, without their durations (timing)."""
-    import json
-
     by_rank: dict[int, list[dict]] = {}
     for line in log.splitlines():
         at = line.find(PASS_LINE_PREFIX)
