@@ -248,6 +248,7 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
     if args.dry_run:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a dry run never downloads
     from sglang_evict.calibrate import first_line
+    from sglang_evict.srt.engine_runner import cpu_tp_env
     from sglang_evict.srt.server_args import (
         CONFIG_ENV,
         backend_flags,
@@ -268,6 +269,13 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
     check_compactor_paths(config, getattr(server_args, "device", None), args.dry_run)
     command = [sys.executable, "-m", "sglang.launch_server", *sglang_argv, *backend_flags()]
     env = {**os.environ, CONFIG_ENV: config.to_json()}
+    # SGLang's tensor parallelism on a CPU without AMX needs gloo and a core set per rank
+    # (``cpu_tp_env``); the user's own settings win.
+    tp_env = {}
+    if getattr(server_args, "device", None) == "cpu":
+        tp_env = cpu_tp_env(getattr(server_args, "tp_size", 1) or 1)
+        tp_env = {key: value for key, value in tp_env.items() if key not in os.environ}
+    env.update(tp_env)
     if redis_url:  # through the environment, never on the command line
         env[REDIS_URL_ENV] = redis_url
     if args.dry_run:
@@ -278,6 +286,8 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
             print(bytes_line)
         if redis_line:
             print(redis_line)
+        for key, value in tp_env.items():
+            print(f"export {key}={shlex.quote(value)}")
         print(f"export {CONFIG_ENV}={shlex.quote(config.to_json())}")
         print(shlex.join(command))
         return 0

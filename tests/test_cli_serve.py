@@ -97,6 +97,32 @@ def _factory_verdict(server_args, policy: dict) -> str | None:
             os.environ[CONFIG_ENV] = previous
 
 
+def test_dry_run_on_cpu_with_tensor_parallelism_exports_gloo_and_cores_per_rank(
+    model_dir, capsys, monkeypatch
+):
+    """``--device cpu --tp-size 2``: SGLang needs gloo (no NCCL library) and one core set
+    per rank there; ``serve`` sets both, and a value the user set is left alone."""
+    argv = ("--kv-budget", "512", "--kv-scorer", "knorm", "--dry-run", "--model-path")
+    argv += (str(model_dir), "--device", "cpu", "--tp-size", "2")
+    monkeypatch.delenv("SGLANG_NCCL_SO_PATH", raising=False)
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    code, out, _ = serve(capsys, *argv)
+    assert code == 0
+    exports = dict(
+        line.removeprefix("export ").split("=", 1)
+        for line in out.splitlines()
+        if line.startswith("export SGLANG_")
+    )
+    assert not os.path.exists(exports["SGLANG_NCCL_SO_PATH"])
+    assert len(exports["SGLANG_CPU_OMP_THREADS_BIND"].strip("'").split("|")) == 2
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|0")
+    code, out, _ = serve(capsys, *argv)
+    assert code == 0 and "export SGLANG_CPU_OMP_THREADS_BIND" not in out
+    assert "export SGLANG_NCCL_SO_PATH" in out
+    code, out, _ = serve(capsys, *argv[:-2])  # one rank: nothing to set
+    assert code == 0 and "export SGLANG_NCCL_SO_PATH" not in out
+
+
 @pytest.mark.parametrize(
     ("eviction_flags", "sglang_flags"),
     [
