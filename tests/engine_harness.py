@@ -275,6 +275,14 @@ def shared_system_prompts(engine_model) -> list[list[int]]:
     return [tokenizer(f"{SYSTEM_PROMPT} {q}")["input_ids"] for q in QUESTIONS]
 
 
+def assert_same_tokens(engine_ids, expected, who: str = "engine") -> None:
+    """Every prompt's tokens equal the reference's (and so does their count); a failure
+    names the first token that differs."""
+    for i, (got, want) in enumerate(zip(engine_ids, expected, strict=True)):
+        first = next((t for t, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        assert got == want, f"prompt {i}: {who} and reference differ from token {first}"
+
+
 def greedy(new_tokens: int, **extra) -> dict:
     return {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True, **extra}
 

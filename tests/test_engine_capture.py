@@ -21,6 +21,7 @@ import torch
 
 from tests.engine_harness import (
     EngineSpec,
+    assert_same_tokens,
     greedy,
     policy_fields,
     reference_outputs,
@@ -135,10 +136,7 @@ def test_engine_outputs_equal_the_cpu_reference_loop_with_query_scorers(
         custom_params=None if custom is None else [custom] * len(prompts),
     )
     assert len(result.passes) >= 2 * len(prompts)
-    for i, (out, want) in enumerate(zip(outputs, expected, strict=True)):
-        got = out["output_ids"]
-        first = next((t for t, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-        assert got == want, f"prompt {i}: engine and reference differ from token {first}"
+    assert_same_tokens([out["output_ids"] for out in outputs], expected)
     passes = [r for record in engine.pass_records(mark) for r in record["requests"]]
     assert len(passes) == len(result.passes)
     engines.report(

@@ -11,6 +11,7 @@ import pytest
 
 from tests.engine_harness import (
     EngineSpec,
+    assert_same_tokens,
     greedy,
     load_reference_model,
     policy_fields,
@@ -58,9 +59,7 @@ def test_real_model_outputs_equal_the_cpu_reference_loop_under_eviction(
         load_reference_model(real_model), chat_prompts, NEW_TOKENS, page_size=PAGE, policy=policy
     )
     assert len(result.passes) >= 3 * len(chat_prompts)
-    for i, (got, want) in enumerate(zip(engine_ids, expected, strict=True)):
-        first = next((t for t, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-        assert got == want, f"prompt {i}: engine and reference differ from token {first}"
+    assert_same_tokens(engine_ids, expected)
     passes = [r for record in engine.pass_records(mark) for r in record["requests"]]
     assert len(passes) == len(result.passes)
     engines.report(

@@ -11,17 +11,17 @@ same with SGLang's memory classes in two gloo processes)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
 import pytest
 
 from sglang_evict.request_policy import report_of
-from sglang_evict.srt.engine_runner import PASS_LINE_PREFIX, cpu_tp_env
+from sglang_evict.srt.engine_runner import cpu_tp_env, parse_pass_lines
 from tests.engine_harness import (
     EngineSpec,
     assert_clean_after,
+    assert_same_tokens,
     greedy,
     load_reference_model,
     policy_fields,
@@ -51,15 +51,18 @@ def tp_model():
 
 def pass_records_by_rank(log: str) -> dict[int, list[dict]]:
     """Each rank's pass records in its log order, without their durations (timing)."""
-    by_rank: dict[int, list[dict]] = {}
+    lines_by_rank: dict[int, list[str]] = {}
     for line in log.splitlines():
-        at = line.find(PASS_LINE_PREFIX)
         rank = RANK.search(line)
-        if at < 0 or rank is None:
-            continue
-        record = json.loads(line[at + len(PASS_LINE_PREFIX) :])
-        record.pop("duration_ms")
-        by_rank.setdefault(int(rank.group(1)), []).append(record)
+        if rank is not None:
+            lines_by_rank.setdefault(int(rank.group(1)), []).append(line)
+    by_rank = {}
+    for rank, lines in lines_by_rank.items():
+        records = parse_pass_lines("\n".join(lines))
+        for record in records:
+            record.pop("duration_ms")
+        if records:
+            by_rank[rank] = records
     return by_rank
 
 
@@ -99,12 +102,7 @@ def test_two_ranks_evict_and_demote_as_one_process_holding_every_head(engines, t
         policy=policy,
         custom_params=custom,
     )
-    for i, (out, want) in enumerate(zip(outputs, expected, strict=True)):
-        got = out["output_ids"]
-        first = next((t for t, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-        assert got == want, (
-            f"prompt {i}: TP {TP_SIZE} engine and reference differ from token {first}"
-        )
+    assert_same_tokens([o["output_ids"] for o in outputs], expected, f"TP {TP_SIZE} engine")
 
     demoted: dict[str, int] = {}
     for rid, _, r in result.passes:

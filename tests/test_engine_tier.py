@@ -16,6 +16,7 @@ from sglang_evict.request_policy import report_of
 from tests.engine_harness import (
     EngineSpec,
     assert_clean_after,
+    assert_same_tokens,
     greedy,
     load_reference_model,
     policy_fields,
@@ -74,9 +75,7 @@ def test_engine_outputs_equal_the_reference_loop_with_the_tier(
     )
     demoted = sum(r.tokens_demoted for _, _, r in result.passes)
     assert demoted >= len(prompts) * TIER["tier_max_tokens"]  # every tier filled
-    for i, (got, want) in enumerate(zip(engine_ids, expected, strict=True)):
-        first = next((t for t, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-        assert got == want, f"prompt {i}: engine and reference differ from token {first}"
+    assert_same_tokens(engine_ids, expected)
     passes = [r for record in engine.pass_records(mark) for r in record["requests"]]
     assert len(passes) == len(result.passes)
     tier = engine.plugin_state()["tier"]
