@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import traceback
 
 import pytest
 import torch
@@ -25,6 +26,9 @@ NEW_TOKENS = 150
 SCORERS = ["knorm", "window", "rkv"]
 TIER = "knorm+tier"  # knorm with a 3-bit tier of at most 4 groups of 16: it fills, then drops
 RUNS = [*SCORERS, TIER]
+# One worker computes the two ranks for every test here (as two would, twice: on two cores
+# four lock-stepped rank processes slow each other down by minutes).
+pytestmark = pytest.mark.xdist_group("tensor-parallel")
 
 
 def global_kvq(
@@ -104,19 +108,32 @@ def run_request(heads: slice, run: str, reducer=None) -> list:
 
 
 def rank_main(rank: int, world_size: int, init_file: str, results) -> None:
+    """One rank: its survivors for every run, or the error it met, on ``results``; then
+    it leaves at once. Tearing down an interpreter that imported SGLang takes seconds
+    (minutes on a loaded 2-core machine) and proves nothing here."""
     os.environ.setdefault("TRITON_INTERPRET", "1")  # spawned: conftest did not run here
-    import torch.distributed as dist
+    torch.set_num_threads(1)  # tiny tensors: spinning OpenMP threads only slow the peer
+    status = 1
+    try:
+        import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
-    from sglang_evict.srt.tp import tp_score_reducer
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
+        from sglang_evict.srt.tp import tp_score_reducer
 
-    share = GLOBAL_KV_HEADS // world_size
-    heads = slice(rank * share, (rank + 1) * share)
-    reducer = tp_score_reducer(dist.group.WORLD, "mean")
-    results.put((rank, {run: run_request(heads, run, reducer) for run in RUNS}))
-    dist.destroy_process_group()
+        share = GLOBAL_KV_HEADS // world_size
+        heads = slice(rank * share, (rank + 1) * share)
+        reducer = tp_score_reducer(dist.group.WORLD, "mean")
+        results.put((rank, {run: run_request(heads, run, reducer) for run in RUNS}))
+        dist.destroy_process_group()
+        status = 0
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()  # what was put is in the pipe
+        os._exit(status)
 
 
 @pytest.fixture(scope="module")
@@ -133,10 +150,19 @@ def kept_by_rank(tmp_path_factory) -> dict[int, dict[str, list]]:
     ]
     for worker in workers:
         worker.start()
-    kept = dict(results.get(timeout=900) for _ in workers)
-    for worker in workers:
-        worker.join(timeout=60)
-        assert worker.exitcode == 0
+    kept = {}
+    try:
+        while len(kept) < world_size:
+            rank, result = results.get(timeout=900)
+            assert not isinstance(result, str), f"rank {rank} failed:\n{result}"
+            kept[rank] = result
+        for worker in workers:
+            worker.join(timeout=120)
+    finally:  # a failed rank leaves its peer waiting in a collective
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+    assert [worker.exitcode for worker in workers] == [0] * world_size
     return kept
 
 
