@@ -114,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--check-alone", type=int, default=None, help="requests rerun one at a time (4; smollm2 2)"
     )
     parser.add_argument(
-        "--needles", type=int, default=None, help="needle prompts per engine (0; smollm2 12)"
+        "--needles", type=int, default=None, help="needle prompts per engine (0; smollm2 24)"
     )
     parser.add_argument("--json", default="bench_memory_bound.json")
     parser.add_argument("--plot", default="bench_memory_bound.png")
@@ -131,7 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         window=(32, 16),
         query_window=(32, 16),
         check_alone=(2, 4),
-        needles=(12, 0),
+        needles=(24, 0),
     )
     for key, (if_real, otherwise) in defaults.items():
         if getattr(args, key) is None:
@@ -458,6 +458,13 @@ def _print_ratios(rows: dict, args) -> None:
                 f"({diff:+.2f}) at {row['kv_fraction']:.2f} of the KV bytes"
             )
         print(line)
+    for name, row in rows.items():
+        if row.get("needles_missed"):
+            missed = ", ".join(
+                f"{m['kind']} at {m['depth']:.1f} ({' '.join(m['answer'].split())[:60]!r})"
+                for m in row["needles_missed"]
+            )
+            print(f"needles {name} missed: {missed}")
     bounded = rows.get("bounded")
     steady = bounded and bounded["steady_mean_running"]
     if steady is not None and bounded:

@@ -164,7 +164,8 @@ def needle_samples(tokenizer, count: int, context_tokens: int):
 
 def run_needles(engine, tokenizer, samples, plan: RunPlan, shape, batch: int) -> dict:
     """The needle task through a started engine under its server policy: found
-    fraction and the KV bytes each request held at its end (bf16 accounting)."""
+    fraction, the KV bytes each request held at its end (bf16 accounting) and the
+    needles missed (kind, depth, the answer given)."""
     from sglang_evict.quality.real.frontier import Candidate, tier_ratio
     from sglang_evict.quality.real.needle import found
     from sglang_evict.request_policy import report_of
@@ -173,13 +174,17 @@ def run_needles(engine, tokenizer, samples, plan: RunPlan, shape, batch: int) ->
         return {}
     ratio = tier_ratio(Candidate.of_config(plan.config), shape) if plan.tier_tokens else 0.0
     sampling = {"max_new_tokens": NEEDLE_NEW_TOKENS, "temperature": 0}
-    hits, held, started = [], [], time.monotonic()
+    hits, held, missed, started = [], [], [], time.monotonic()
     for start in range(0, len(samples), batch):
         chunk = samples[start : start + batch]
         outputs = engine.generate([list(s.prompt_ids) for s in chunk], [sampling] * len(chunk))
         for sample, output in zip(chunk, outputs, strict=True):
             text = tokenizer.decode(output["output_ids"], skip_special_tokens=True)
             hits.append(found(sample.needle, text))
+            if not hits[-1]:
+                missed.append(
+                    {"kind": sample.needle.kind, "depth": sample.depth, "answer": text.strip()}
+                )
             total = len(sample.prompt_ids) + len(output["output_ids"]) - 1
             report = report_of(output["meta_info"]) or {}
             if plan.config is None:
@@ -192,4 +197,5 @@ def run_needles(engine, tokenizer, samples, plan: RunPlan, shape, batch: int) ->
         "needle_accuracy": sum(hits) / len(hits),
         "needle_held_fraction": sum(held) / len(held),
         "needle_wall_s": round(time.monotonic() - started, 1),
+        "needles_missed": missed,
     }
