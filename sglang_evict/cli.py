@@ -244,6 +244,7 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
     redis_url, redis_line = _redis_url(args)
     args.kv_redis_url = redis_url
     config = config_from_args(args)  # our flags first: nothing of SGLang is loaded yet
+    users_env = set(os.environ)
     use_triton_interpreter_without_gpu()
     if args.dry_run:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a dry run never downloads
@@ -269,13 +270,18 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
     check_compactor_paths(config, getattr(server_args, "device", None), args.dry_run)
     command = [sys.executable, "-m", "sglang.launch_server", *sglang_argv, *backend_flags()]
     env = {**os.environ, CONFIG_ENV: config.to_json()}
-    # SGLang's tensor parallelism on a CPU without AMX needs gloo and a core set per rank
-    # (``cpu_tp_env``); the user's own settings win.
-    tp_env = {}
+    # On CPU: SGLang's tensor parallelism without AMX needs gloo and a core set per rank
+    # (``cpu_tp_env``), and its Triton kernels (the ``triton`` attention backend; the
+    # paged allocator of 0.5.17 at pages > 1) find no driver unless interpreted
+    # (``use_triton_interpreter_without_gpu`` above). The user's own settings win; the
+    # dry run prints what serve adds.
+    cpu_env = {}
     if getattr(server_args, "device", None) == "cpu":
-        tp_env = cpu_tp_env(getattr(server_args, "tp_size", 1) or 1)
-        tp_env = {key: value for key, value in tp_env.items() if key not in os.environ}
-    env.update(tp_env)
+        cpu_env = cpu_tp_env(getattr(server_args, "tp_size", 1) or 1)
+        if "TRITON_INTERPRET" in os.environ:
+            cpu_env["TRITON_INTERPRET"] = os.environ["TRITON_INTERPRET"]
+        cpu_env = {key: value for key, value in cpu_env.items() if key not in users_env}
+    env.update(cpu_env)
     if redis_url:  # through the environment, never on the command line
         env[REDIS_URL_ENV] = redis_url
     if args.dry_run:
@@ -286,7 +292,7 @@ def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
             print(bytes_line)
         if redis_line:
             print(redis_line)
-        for key, value in tp_env.items():
+        for key, value in cpu_env.items():
             print(f"export {key}={shlex.quote(value)}")
         print(f"export {CONFIG_ENV}={shlex.quote(config.to_json())}")
         print(shlex.join(command))

@@ -281,10 +281,16 @@ CASES = [
     ("tier bound", ["serve", "--kv-budget", "256", "--kv-tier-bits", "3", "--kv-tier-tokens",
                     "16", "--", "--model-path", "x"],
      "--kv-tier-tokens 16: the tier holds whole groups of 32 tokens", {}),
-    ("tier, triton backend", [*SERVE, "--kv-tier-bits", "3", "--dry-run", *LOCAL,
-                              "--attention-backend", "triton"],
-     "--kv-tier-bits with --attention-backend triton: the tier's attention merges with "
-     "SGLang's torch_native backend only so far; pass --attention-backend torch_native", {}),
+    ("tier, flashinfer backend", [*SERVE, "--kv-tier-bits", "3", "--dry-run", *LOCAL,
+                                  "--attention-backend", "flashinfer"],
+     "--kv-tier-bits with --attention-backend flashinfer: the tier's attention merges with "
+     "SGLang's torch_native or triton backends only so far; pass --attention-backend "
+     "torch_native", {}),
+    ("tier, triton backend on a GPU", [*SERVE, "--kv-tier-bits", "3", "--dry-run",
+                                       "--model-path", "{model}", "--device", "cuda",
+                                       "--attention-backend", "triton"],
+     "--kv-tier-bits with --attention-backend triton on cuda: the tier's merge with "
+     "triton's decode has run in SGLang's engine on CPU only", {}),
     ("tier, sidecar", [*SERVE, "--kv-tier-bits", "3", *GRPC, "--dry-run", *LOCAL,
                        "--attention-backend", "torch_native"],
      "--kv-tier-bits with --kv-compactor grpc: the sidecar does not run the tier's", {}),

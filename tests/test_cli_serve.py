@@ -123,6 +123,21 @@ def test_dry_run_on_cpu_with_tensor_parallelism_exports_gloo_and_cores_per_rank(
     assert code == 0 and "export SGLANG_NCCL_SO_PATH" not in out
 
 
+def test_dry_run_on_a_cpu_exports_the_triton_interpreter_serve_sets(model_dir, capsys, monkeypatch):
+    """Without a GPU SGLang's Triton kernels (the ``triton`` attention backend, 0.5.17's
+    paged allocator) have no driver but the interpreter: ``serve`` sets
+    ``TRITON_INTERPRET=1`` and its dry run says so; a value the user set is left alone."""
+    argv = ("--kv-budget", "512", "--kv-scorer", "knorm", "--dry-run", "--model-path")
+    argv += (str(model_dir), "--device", "cpu", "--attention-backend", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # as on this machine
+    code, out, _ = serve(capsys, *argv)
+    assert code == 0 and "export TRITON_INTERPRET=1" in out.splitlines()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    code, out, _ = serve(capsys, *argv)
+    assert code == 0 and "TRITON_INTERPRET" not in out
+
+
 @pytest.mark.parametrize(
     ("eviction_flags", "sglang_flags"),
     [

@@ -313,7 +313,11 @@ def startup_problems(
 
 # The attention backends whose decode output the tier's attention merges with
 # (``sglang_evict.srt.tier``).
-TIER_BACKENDS = ("torch_native",)
+TIER_BACKENDS = ("torch_native", "triton")
+# Of those, the ones proven only in SGLang's engine on CPU (``triton`` under Triton's
+# interpreter: tests/test_engine_tier_triton.py); on a GPU, with its CUDA graphs, they
+# wait for the GPU check (scripts/gpu_check.sh) and are refused there until it runs.
+TIER_BACKENDS_CPU_ONLY = ("triton",)
 # KV cache dtypes the tier quantizes from (block-scaled and fp8 pools are not read yet).
 TIER_KV_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 
@@ -326,8 +330,16 @@ def _tier_problems(server_args, config: EvictionConfig) -> list[str]:
         chosen = f"--attention-backend {backend}" if backend else "SGLang's default backend"
         problems.append(
             f"--kv-tier-bits with {chosen}: the tier's attention merges with SGLang's "
-            f"{' or '.join(TIER_BACKENDS)} backend only so far; pass --attention-backend "
+            f"{' or '.join(TIER_BACKENDS)} backends only so far; pass --attention-backend "
             f"torch_native or drop --kv-tier-*"
+        )
+    device = str(getattr(server_args, "device", None) or "cuda")
+    if backend in TIER_BACKENDS_CPU_ONLY and device != "cpu":
+        problems.append(
+            f"--kv-tier-bits with --attention-backend {backend} on {device}: the tier's merge "
+            f"with {backend}'s decode has run in SGLang's engine on CPU only, not yet on a GPU "
+            f"or inside its CUDA graphs; pass --attention-backend torch_native or drop "
+            f"--kv-tier-*"
         )
     kv_dtype = getattr(server_args, "kv_cache_dtype", "auto") or "auto"
     if kv_dtype not in TIER_KV_DTYPES:

@@ -29,9 +29,11 @@ over its tier. The full side's log-sum-exp comes from the backend:
   log-sum-exp in ``forward_metadata.attn_lse``: the full side's is their log-sum-exp over
   the splits stage 2 reduced (``split_kv_lse``; static shapes, no host read, so it can
   run inside SGLang's decode CUDA graphs), and the tier's side is one Triton kernel
-  (``tier_attention_triton``). This path's arithmetic is tested against SGLang's own
-  decode kernel (under Triton's interpreter on CPU); it has not run on a GPU, so the
-  server still refuses ``triton`` with the tier at start.
+  (``tier_attention_triton``). SGLang's engine runs this path on CPU under Triton's
+  interpreter (``TRITON_INTERPRET=1``), where it generates what the reference loop does
+  (tests/test_engine_tier_triton.py); it has not run on a GPU or inside CUDA graphs, so
+  the server refuses ``triton`` with the tier on any device but the CPU
+  (``server_args.TIER_BACKENDS_CPU_ONLY``).
 
 The server refuses the tier with any backend outside ``server_args.TIER_BACKENDS`` at
 start (``server_args.startup_problems``).
@@ -53,7 +55,7 @@ import torch
 
 from sglang_evict.config import EvictionConfig
 from sglang_evict.srt.capture import kv_bytes_per_token_of, plugin_policy
-from sglang_evict.srt.server_args import TIER_BACKENDS
+from sglang_evict.srt.server_args import TIER_BACKENDS, TIER_BACKENDS_CPU_ONLY
 from sglang_evict.srt.versioned import attention_tp_size
 
 logger = logging.getLogger(__name__)
@@ -94,10 +96,16 @@ class _Tier:
 
     plan: TierPlan | None = None
     arena: object | None = None  # sglang_evict.tier.arena.TierArena
-    calls: dict = field(default_factory=lambda: {"decode_merged": 0, "decode_without": 0})
+    # decode layers merged, decode layers with no tier to merge, and the merges whose
+    # full side's log-sum-exp came from triton's split-KV stage 1 (the rest: computed
+    # again over the keys torch_native read)
+    calls: dict = field(
+        default_factory=lambda: {"decode_merged": 0, "decode_without": 0, "split_kv_lse": 0}
+    )
     # CPU: the tier's side of the merge (``cpu_attention``) and what it is
     cpu_attention: object | None = None
     cpu_kernel: str = ""
+    merged_by: str = ""  # the tier's side of the last merge (a function's name)
 
 
 STATE = _Tier()
@@ -212,7 +220,8 @@ def _after_alloc_memory_pool(result, model_runner, *args, **kwargs):
     rows = model_runner.req_to_token_pool.req_to_token.shape[0]
     arena.enable_rows(rows, config.tier_max_tokens // config.tier_group_tokens)
     STATE.arena = arena
-    if arena.device.type == "cpu":
+    backend = getattr(getattr(model_runner, "server_args", None), "attention_backend", None)
+    if arena.device.type == "cpu" and backend != "triton":  # triton: its Triton kernel
         STATE.cpu_attention, STATE.cpu_kernel = cpu_tier_attention()
     return result
 
@@ -248,11 +257,14 @@ def attach(manager, model_runner) -> None:
     if model_runner is None:  # CPU drivers carve their own arena (cpu_driver)
         return
     backend = type(getattr(model_runner, "attn_backend", None)).__name__
-    if _BACKEND_CLASSES.get(backend) not in TIER_BACKENDS:
+    name = _BACKEND_CLASSES.get(backend)
+    device = torch.device(model_runner.device).type
+    if name not in TIER_BACKENDS or (name in TIER_BACKENDS_CPU_ONLY and device != "cpu"):
+        where = "" if name not in TIER_BACKENDS else f" on CPU ({name} on {device} is not)"
         raise ValueError(
             f"--kv-tier-bits merges the tier's attention with SGLang's "
-            f"{' or '.join(TIER_BACKENDS)} attention backend only so far; this server runs "
-            f"{backend}: pass --attention-backend torch_native or drop --kv-tier-*"
+            f"{' or '.join(TIER_BACKENDS)} attention backends only so far{where}; this "
+            f"server runs {backend}: pass --attention-backend torch_native or drop --kv-tier-*"
         )
     if STATE.arena is None:
         raise ValueError(
@@ -292,8 +304,12 @@ def merge_decode(o, q, layer, forward_batch, arena, backend):
 
     rows = forward_batch.req_pool_indices
     counts = arena.row_counts[rows]
-    on_cpu = arena.device.type == "cpu"
-    if on_cpu and not bool((counts > 0).any()):
+    triton = _BACKEND_CLASSES.get(type(backend).__name__) == "triton"
+    # torch_native on CPU: no graph to keep static, so read the counts on the host and
+    # only the groups some request holds. ``triton`` runs as on a GPU (CUDA graphs: no
+    # host read, the row table's static width, the tier's Triton kernel), on CPU too.
+    host_reads = arena.device.type == "cpu" and not triton
+    if host_reads and not bool((counts > 0).any()):
         STATE.calls["decode_without"] += 1
         return o
     if getattr(layer, "logit_cap", 0) or (getattr(layer, "sliding_window_size", -1) or -1) > -1:
@@ -305,7 +321,7 @@ def merge_decode(o, q, layer, forward_batch, arena, backend):
     queries = q.reshape(-1, hq, d)
     b = queries.shape[0]
     table = arena.row_table[rows]
-    if on_cpu:  # no graph to keep static: read only the groups some request holds
+    if host_reads:
         table = table[:, : int(counts.max())]
         tier_attention = STATE.cpu_attention or tier_attention_torch
     else:
@@ -313,18 +329,20 @@ def merge_decode(o, q, layer, forward_batch, arena, backend):
     o_tier, lse_tier = tier_attention(
         queries, arena.stores[layer.layer_id], table, counts, arena.fmt, sm_scale=layer.scaling
     )
-    if _BACKEND_CLASSES.get(type(backend).__name__) == "triton":
+    if triton:
         metadata = backend.forward_metadata
         indptr = metadata.kv_indptr
         lse_full = split_kv_lse(
             metadata.attn_lse[:b], metadata.num_kv_splits[:b], indptr[1 : b + 1] - indptr[:b]
         )
+        STATE.calls["split_kv_lse"] += 1
     else:
         lse_full = full_precision_lse(queries, layer, forward_batch, backend)
     merged, _ = merge_attention_states(
         o.reshape(b, hq, layer.v_head_dim).float(), lse_full, o_tier, lse_tier
     )
     STATE.calls["decode_merged"] += 1
+    STATE.merged_by = getattr(tier_attention, "__name__", "")
     return merged.to(o.dtype).reshape(o.shape)
 
 
@@ -392,4 +410,5 @@ def report() -> dict | None:
         "requests_with_tier": 0 if arena is None else len(arena.owned),
         "hook_calls": dict(STATE.calls),
         "cpu_kernel": STATE.cpu_kernel or None,
+        "merged_by": STATE.merged_by or None,
     }

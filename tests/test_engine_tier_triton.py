@@ -1,0 +1,76 @@
+"""The quantized tier with SGLang's ``triton`` attention backend, in SGLang's real engine
+on CPU: SGLang's own split-KV decode kernels and the tier's Triton kernel run under
+Triton's interpreter (``TRITON_INTERPRET=1``), and each decode layer merges the two by
+the log-sum-exp that the decode's first stage leaves per split (``sglang_evict.srt.
+tier.split_kv_lse``) — the path a GPU runs, without its CUDA graphs.
+
+The engine generates exactly what the CPU reference loop generates for the same
+checkpoint, prompts and policy (an 8-bit tier: the reference applies the same
+quantizer), with the merge reading its full side from ``triton``'s stage 1 and its tier
+side from the Triton kernel, not from the CPU's compiled kernel. The interpreter is
+slow, so the test is short: two prompts, one engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine_harness import (
+    EngineSpec,
+    assert_clean_after,
+    assert_same_tokens,
+    greedy,
+    load_reference_model,
+    policy_fields,
+    reference_outputs,
+    shared_system_prompts,
+)
+
+# release_smoke: the backend's decode metadata this reads (``attn_lse``,
+# ``num_kv_splits``, ``kv_indptr``) is SGLang's, and differs by release.
+pytestmark = [pytest.mark.engine, pytest.mark.release_smoke]
+
+# As tests/test_engine_tier.py: groups of 16, at most 4 per request; 130 new tokens fill
+# every request's tier and then give groups up.
+TIER = dict(tier_group_tokens=16, tier_max_tokens=64, tier_pool_share=0.25, scorer="knorm")
+NEW_TOKENS = 130
+
+
+def test_the_tier_merged_with_tritons_split_kv_decode_equals_the_reference_loop(
+    engines, engine_model
+):
+    from sglang_evict.engine_model import ensure_engine_model
+
+    model = ensure_engine_model(variant="head_dim64")
+    prompts = shared_system_prompts(engine_model)[:2]
+    policy = policy_fields(tier_bits=8, **TIER)
+    engine = engines.get(
+        EngineSpec.plugin(
+            1,
+            engine_args={"model_path": str(model), "attention_backend": "triton"},
+            env={"TRITON_INTERPRET": "1"},
+            **policy,
+        )
+    )
+    mark = engine.mark()
+    outputs = engine.generate(prompts, greedy(NEW_TOKENS))
+    expected, result = reference_outputs(
+        load_reference_model(model), prompts, NEW_TOKENS, page_size=1, policy=policy
+    )
+    demoted = sum(r.tokens_demoted for _, _, r in result.passes)
+    assert demoted >= len(prompts) * TIER["tier_max_tokens"]  # every tier filled
+    assert_same_tokens([out["output_ids"] for out in outputs], expected)
+    passes = [r for record in engine.pass_records(mark) for r in record["requests"]]
+    assert len(passes) == len(result.passes)
+    tier = engine.plugin_state()["tier"]
+    calls = tier["hook_calls"]
+    # Every merge read its full side from triton's stage 1 and its tier side from the
+    # Triton kernel; the CPU's compiled kernel was not built.
+    assert calls["decode_merged"] > 0 and calls["split_kv_lse"] == calls["decode_merged"]
+    assert tier["merged_by"] == "tier_attention_triton" and tier["cpu_kernel"] is None
+    assert_clean_after(engine, mark)
+    assert engine.plugin_state()["tier"]["groups_held"] == 0
+    engines.report(
+        "tier with the triton backend (interpreted)",
+        "passes (engine = reference), tokens demoted, merges from split-KV stage 1",
+        f"{len(passes)}, {demoted}, {calls['split_kv_lse']}",
+    )
