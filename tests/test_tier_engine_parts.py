@@ -4,8 +4,12 @@ step's attention reads by request-pool row), the arena's carve from SGLang's KV 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from sglang_evict.config import EvictionConfig
 from sglang_evict.tier.arena import TierArena
@@ -271,3 +275,121 @@ def test_the_full_sides_lse_from_sglangs_split_kv_decode_merges_with_the_tier_ex
             q[i], torch.cat([k, tier_k[i]]), torch.cat([v, tier_v[i]]), sm_scale
         )
         assert torch.allclose(merged, o_all, atol=1e-5), i
+
+
+class HostReads(TorchDispatchMode):
+    """Fails on any operation that reads a tensor's values on the host or gives a shape
+    that depends on them: what a CUDA graph capture cannot hold. Records every
+    operation with its argument shapes (``trace``): a captured step replays the same."""
+
+    FORBIDDEN = ("_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trace: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.FORBIDDEN:
+            raise AssertionError(f"a host read: aten.{name}")
+        shapes = tuple(tuple(t.shape) for t in tree_leaves((args, kwargs)) if torch.is_tensor(t))
+        self.trace.append((name, shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_host_read_guard_fails_on_a_read():
+    counts = torch.tensor([1, 2])
+    with pytest.raises(AssertionError, match="host read"), HostReads():
+        int(counts.max())
+    with pytest.raises(AssertionError, match="host read"), HostReads():
+        bool((counts > 0).any())
+
+
+def test_the_triton_merge_reads_nothing_on_the_host_and_replays_over_new_tier_content():
+    """The ``triton`` backend's decode merge (``srt.tier.merge_decode``), emulating a
+    CUDA graph on CPU as the pass graphs do: run over static inputs (the arena's row
+    table and counts, the backend's split-KV metadata), it makes no host read; after the
+    arena's content changes (a request gains groups, another gives its up, a third
+    starts one) the same inputs run the same operations on the same shapes, and each
+    run equals one softmax over each request's full-precision keys and dequantized tier
+    (the references)."""
+    import math
+
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+    from sglang_evict.srt import tier as srt_tier
+    from sglang_evict_kernels.tier_attention import (
+        attention_with_lse_reference,
+        merge_attention_states,
+        tier_attention_reference,
+    )
+    from sglang_evict_kernels.tier_quant import quantize_into_reference
+
+    generator = torch.Generator().manual_seed(7)
+    fmt = TierFormat(bits=3, group_tokens=16, head_dim=64)
+    lens, splits = [9, 40, 70, 33], [1, 2, 4, 2]
+    rows = torch.tensor([1, 0, 3, 2])
+    b, hq, h, d, max_splits = len(lens), 4, 2, 64, 4
+    arena = TierArena(fmt, num_groups=8, num_layers=1, kv_heads=h, full_dtype=torch.float32)
+    arena.enable_rows(4, 3)
+    source_k = torch.randn(256, h, d, generator=generator)
+    source_v = torch.randn(256, h, d, generator=generator)
+
+    def demote(rid: str, count: int, row: int) -> None:
+        slots = torch.tensor(arena.take(rid, count, row=row))
+        tokens = torch.randint(0, 256, (count, fmt.group_tokens), generator=generator)
+        quantize_into_reference(arena.stores[0], slots, source_k, source_v, tokens, fmt)
+
+    k_pool = torch.randn(sum(lens), h, d, generator=generator)
+    v_pool = torch.randn(sum(lens), h, d, generator=generator)
+    q = torch.randn(b, hq, d, generator=generator)
+    indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    split_lse = torch.full((b, hq, max_splits), 123.0)  # stale past the live splits
+    o_full = torch.empty(b, hq, d)
+    sm_scale = 1 / math.sqrt(d)
+    num_splits = torch.tensor(splits, dtype=torch.int32)
+    decode_attention_fwd(
+        q, k_pool, v_pool, o_full, indptr, torch.arange(sum(lens), dtype=torch.int32),
+        torch.empty(b, hq, max_splits, d), split_lse, num_splits, max_splits, sm_scale,
+        1.0, 1.0,
+    )  # fmt: skip
+
+    class TritonAttnBackend:  # the name SGLang's backend class has
+        forward_metadata = SimpleNamespace(
+            attn_lse=split_lse, num_kv_splits=num_splits, kv_indptr=indptr
+        )
+
+    layer = SimpleNamespace(
+        tp_q_head_num=hq, tp_k_head_num=h, qk_head_dim=d, v_head_dim=d, layer_id=0,
+        scaling=sm_scale, logit_cap=0, sliding_window_size=-1,
+    )  # fmt: skip
+    batch = SimpleNamespace(req_pool_indices=rows)
+
+    def expected() -> torch.Tensor:
+        table, counts = arena.row_table[rows], arena.row_counts[rows]
+        o_tier, lse_tier = tier_attention_reference(q, arena.stores[0], table, counts, fmt)
+        out = []
+        for i in range(b):
+            keys = slice(int(indptr[i]), int(indptr[i + 1]))
+            o_i, lse_i = attention_with_lse_reference(q[i], k_pool[keys], v_pool[keys], sm_scale)
+            out.append(merge_attention_states(o_i, lse_i, o_tier[i], lse_tier[i])[0])
+        return torch.stack(out)
+
+    def run() -> tuple[torch.Tensor, list]:
+        o = o_full.reshape(b, hq * d).clone()
+        with HostReads() as guard:
+            merged = srt_tier.merge_decode(o, q, layer, batch, arena, TritonAttnBackend())
+        return merged.reshape(b, hq, d), guard.trace
+
+    demote("a", 2, row=1)
+    demote("b", 1, row=3)
+    first, first_trace = run()
+    assert torch.allclose(first, expected(), atol=1e-4)
+    demote("a", 1, row=1)  # a later pass: a third group
+    arena.release("b")  # b ended
+    demote("c", 2, row=2)  # a new request's first groups
+    arena.check()
+    second, second_trace = run()
+    assert torch.allclose(second, expected(), atol=1e-4)
+    assert second_trace == first_trace  # the same operations on the same shapes
+    assert not torch.allclose(first, second, atol=1e-3)  # the content did change
