@@ -76,6 +76,30 @@ def pytest_configure(config):
         "release's packaging); CI runs these and the `release_smoke` engine tests on "
         "every supported release (`-m 'sglang or release_smoke'`)",
     )
+    check_xdist_groups_apply(config)
+
+
+def check_xdist_groups_apply(config) -> None:
+    """Refuse ``--dist loadgroup`` where pytest-xdist ignores the groups silently:
+    pytest 9.2 derives a node's id from a structure pytest-xdist 3.8 does not rewrite,
+    so every worker would start its own engines and run the gloo ranks again (minutes
+    of CI, and engines twice the memory)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if config.getoption("dist", None) != "loadgroup" or hasattr(config, "workerinput"):
+        return
+    if not config.getoption("numprocesses", None):  # -n0: one process, no groups
+        return
+    if Version(pytest.__version__) >= Version("9.2") and Version(
+        version("pytest-xdist")
+    ) <= Version("3.8.0"):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist {version('pytest-xdist')} "
+            f"ignores --dist loadgroup's groups: install the pinned test tools "
+            f'(`pip install -e ".[dev]" -c constraints.txt`: pytest < 9.2)'
+        )
 
 
 # Test modules that drive SGLang's own code (besides the engine tests): marked `sglang`,
