@@ -316,7 +316,7 @@ def startup_problems(
 TIER_BACKENDS = ("torch_native", "triton")
 # Of those, the ones proven only in SGLang's engine on CPU (``triton`` under Triton's
 # interpreter: tests/test_engine_tier_triton.py); on a GPU, with its CUDA graphs, they
-# wait for the GPU check (scripts/gpu_check.sh) and are refused there until it runs.
+# have not run yet, and are refused there until they have.
 TIER_BACKENDS_CPU_ONLY = ("triton",)
 # KV cache dtypes the tier quantizes from (block-scaled and fp8 pools are not read yet).
 TIER_KV_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
