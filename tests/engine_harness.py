@@ -45,6 +45,10 @@ BUDGET, CADENCE, WINDOW, SINKS = 48, 16, 16, 4
 # milliseconds on this CPU): no pass may lose its lease to its own duration
 # (``tests/test_engine_lease.py``; ``sglang_evict.passes.lease``).
 LEASE_TTL_MS = 1
+# The tier of the engine tests (bits apart): groups of 16, at most 4 per request, a
+# quarter of the pool; with BUDGET and CADENCE a request of 100-140 new tokens fills its
+# tier and then gives groups up. ``knorm``: its per-rank scores are all-reduced under TP.
+ENGINE_TIER = dict(tier_group_tokens=16, tier_max_tokens=64, tier_pool_share=0.25, scorer="knorm")
 
 
 def policy_fields(**overrides) -> dict:

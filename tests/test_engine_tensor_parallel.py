@@ -19,6 +19,7 @@ import pytest
 from sglang_evict.request_policy import report_of
 from sglang_evict.srt.engine_runner import cpu_tp_env, parse_pass_lines
 from tests.engine_harness import (
+    ENGINE_TIER,
     EngineSpec,
     assert_clean_after,
     assert_same_tokens,
@@ -33,11 +34,7 @@ pytestmark = pytest.mark.engine
 
 TP_SIZE = 2
 NEW_TOKENS = 140
-# The tier engine test's tier: groups of 16, at most 4 per request, a quarter of the
-# pool; knorm is one of the scorers whose per-rank scores are all-reduced.
-TIER = dict(
-    tier_bits=3, tier_group_tokens=16, tier_max_tokens=64, tier_pool_share=0.25, scorer="knorm"
-)
+TIER = {**ENGINE_TIER, "tier_bits": 3}
 RANK = re.compile(r" TP(\d+)\] ")
 
 

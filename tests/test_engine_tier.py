@@ -14,6 +14,7 @@ import pytest
 
 from sglang_evict.request_policy import report_of
 from tests.engine_harness import (
+    ENGINE_TIER,
     EngineSpec,
     assert_clean_after,
     assert_same_tokens,
@@ -26,9 +27,7 @@ from tests.engine_harness import (
 
 pytestmark = pytest.mark.engine
 
-# Groups of 16 tokens, at most 4 per request: with the engine tests' budget (48) and
-# cadence (16) a request of 200 new tokens fills its tier and then gives groups up.
-TIER = dict(tier_group_tokens=16, tier_max_tokens=64, tier_pool_share=0.25, scorer="knorm")
+TIER = ENGINE_TIER
 NEW_TOKENS_BY_PAGE = {1: 140, 4: 100}
 
 

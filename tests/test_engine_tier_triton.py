@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engine_harness import (
+    ENGINE_TIER,
     EngineSpec,
     assert_clean_after,
     assert_same_tokens,
@@ -29,10 +30,8 @@ from tests.engine_harness import (
 # ``num_kv_splits``, ``kv_indptr``) is SGLang's, and differs by release.
 pytestmark = [pytest.mark.engine, pytest.mark.release_smoke]
 
-# As tests/test_engine_tier.py: groups of 16, at most 4 per request; 130 new tokens fill
-# every request's tier and then give groups up.
-TIER = dict(tier_group_tokens=16, tier_max_tokens=64, tier_pool_share=0.25, scorer="knorm")
-NEW_TOKENS = 130
+TIER = ENGINE_TIER
+NEW_TOKENS = 130  # every request's tier fills, then gives groups up
 
 
 def test_the_tier_merged_with_tritons_split_kv_decode_equals_the_reference_loop(
