@@ -25,7 +25,10 @@ Phases: warm-up, load, faults (load continues; faults only with ``--faults``), e
 followed by a drain (no new requests; every one in flight ends or hits its deadline)
 and an idle check (SGLang's idle memory check ran and passed, the plugin tracks no
 request, RSS). Then a sample of completed greedy requests is replayed one at a time
-with the same policy: each must give the same tokens.
+with the same policy (``--replay``): each must give the same tokens. The sample is drawn
+from the requests whose eviction report shows no failed pass and no retraction: a
+fault that moves a request's passes (the lease store down: it keeps its KV and evicts
+later) changes its tokens by design; how many it moved is recorded.
 
 Recorded per phase: requests completed, 4xx by cause (only the expected ones), 5xx,
 requests that never ended (a deadline per request), client-side errors, TTFT and
@@ -55,6 +58,7 @@ from soak_load import Load, Phase, Settings
 from soak_stack import (
     Monitor,
     Stack,
+    evicted_off_schedule,
     failures_by_cause,
     faults,
     idle_check,
@@ -154,7 +158,14 @@ async def soak(s: Settings, stack: Stack, url: str) -> dict:
     replayed = await asyncio.to_thread(
         replay, live.url if s.replicas == 1 else url, done, s.replay_samples, rng
     )
-    return {"settings": asdict(s), "phases": phases, "series": monitor.series, "replay": replayed}
+    return {
+        "settings": asdict(s),
+        "phases": phases,
+        "series": monitor.series,
+        "replay": replayed,
+        "replay_candidates": len(done),
+        "evicted_off_schedule": sum(evicted_off_schedule(item) for item in done),
+    }
 
 
 def plot(result: dict, path: Path) -> bool:
@@ -197,6 +208,10 @@ def parse(argv) -> Settings:
     parser.add_argument("--kill-replica", action="store_true", help="(2 replicas) SIGKILL one")
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--replay", type=int, default=6, metavar="N",
+        help="completed greedy requests run again alone at the end (default 6)",
+    )  # fmt: skip
     parser.add_argument("--short", action="store_true", help="CI's form: 2 min, tiny, faults")
     parser.add_argument("--out", default="soak-out", help="folder for soak.json and soak.png")
     parser.add_argument(
@@ -207,6 +222,8 @@ def parse(argv) -> Settings:
         parser.error("--kill-replica needs --replicas 2")
     if args.concurrency < 1 or (args.minutes is not None and args.minutes <= 0):
         parser.error("--concurrency and --minutes must be positive")
+    if args.replay < 1:
+        parser.error(f"--replay {args.replay}: replay at least one request")
     s = Settings(
         model=args.model,
         replicas=args.replicas,
@@ -216,6 +233,7 @@ def parse(argv) -> Settings:
         seed=args.seed,
         out=args.out,
         max_rss_growth=args.max_rss_growth,
+        replay_samples=args.replay,
     )
     if args.short:
         s.minutes, s.fault_interval_s, s.deadline_s = 2.0, (8.0, 15.0), 120.0
@@ -249,7 +267,9 @@ def main(argv=None) -> int:
     print(
         f"soak: idle RSS per phase {idle_rss} MiB (after warm-up "
         f"{result['rss_growth_after_warmup']:+.1%}); replayed {len(result['replay'])} greedy "
-        f"requests, {sum(r['equal'] for r in result['replay'])} equal"
+        f"requests, {sum(r['equal'] for r in result['replay'])} equal (drawn from the "
+        f"{result['replay_candidates'] - result['evicted_off_schedule']} of "
+        f"{result['replay_candidates']} completed whose passes no fault moved)"
     )
     print(f"soak: wrote {out / 'soak.json'}" + (f" and {out / 'soak.png'}" if drawn else ""))
     for line in result["violations"]:

@@ -9,6 +9,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from sglang_evict.request_policy import report_of
+
 SYSTEM_PROMPTS = (
     "You are a careful assistant for a library. Answer briefly and cite the shelf.",
     "You are a travel planner. Give the route, the time and one tip for each stop.",
@@ -278,7 +280,10 @@ class Load:
 
     def _keep_for_replay(self, path: str, body: dict, payload: dict) -> None:
         if path == "/generate" and "output_ids" in payload:
-            self.greedy_done.append({"body": body, "output_ids": payload["output_ids"]})
+            report = report_of(payload.get("meta_info") or {})
+            self.greedy_done.append(
+                {"body": body, "output_ids": payload["output_ids"], "report": report}
+            )
 
     async def run_for(self, seconds: float, concurrency: int) -> None:
         import aiohttp

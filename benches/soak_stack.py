@@ -270,24 +270,49 @@ async def faults(
         which += 1
 
 
+def evicted_off_schedule(item: dict) -> bool:
+    """Whether a completed request's eviction report says a fault moved its passes: a
+    pass of it failed (the lease store or the compactor down: it kept its KV and
+    evicted later) or SGLang retracted it (re-prefilled from its tokens). Its tokens may
+    then differ from the same request's alone, by design."""
+    report = item.get("report") or {}
+    return bool(report.get("passes_failed") or report.get("retractions"))
+
+
 def replay(url: str, done: list[dict], count: int, rng: random.Random) -> list[dict]:
-    """Completed greedy ``/generate`` requests run again, one at a time, same policy."""
+    """Completed greedy ``/generate`` requests run again, one at a time, same policy;
+    drawn from those whose passes ran on schedule (``evicted_off_schedule``)."""
     import requests
 
-    picked = rng.sample(done, min(count, len(done)))
+    on_schedule = [item for item in done if not evicted_off_schedule(item)]
+    picked = rng.sample(on_schedule, min(count, len(on_schedule)))
     out = []
     for item in picked:
         body = {**item["body"], "stream": False}
         reply = requests.post(url + "/generate", json=body, timeout=600)
         alone = reply.json().get("output_ids") if reply.ok else None
-        out.append(
-            {
-                "policy": body["sampling_params"].get("custom_params"),
-                "tokens": len(item["output_ids"]),
-                "equal": alone == item["output_ids"],
-                "status": reply.status_code,
-            }
-        )
+        record = {
+            "policy": body["sampling_params"].get("custom_params"),
+            "tokens": len(item["output_ids"]),
+            "equal": alone == item["output_ids"],
+            "status": reply.status_code,
+        }
+        if alone is not None and not record["equal"]:
+            # What a reader needs to tell a corrupted KV from a flipped near-tie: where
+            # the two first differ, the prompt, and whether running it alone once more
+            # gives the first replay's tokens again.
+            again = requests.post(url + "/generate", json=body, timeout=600)
+            record["first_differs_at"] = next(
+                (
+                    i
+                    for i, (a, b) in enumerate(zip(alone, item["output_ids"], strict=False))
+                    if a != b
+                ),
+                min(len(alone), len(item["output_ids"])),
+            )
+            record["text"] = body.get("text")
+            record["alone_again_equal"] = again.ok and again.json().get("output_ids") == alone
+        out.append(record)
     return out
 
 

@@ -27,9 +27,13 @@ maximum, or allowing eviction off, is the operator's decision.
 
 Each response's ``meta_info["sglang_evict"]`` reports what eviction did to the request
 (``report_of``): its resolved policy, ``passes``, ``tokens_evicted`` and
-``peak_kv_tokens``, the most KV slots it held; ``kv_tokens_held``, the full-precision
-tokens it held when it ended; on a server with the quantized tier also
-``tier_tokens_held``, its tier tokens then.
+``peak_kv_tokens``, the most KV slots it held; ``passes_failed``, its passes that
+failed (a lease store or compactor down: it kept its KV and evicted later);
+``retractions``, the times SGLang retracted it (re-prefilled from its tokens);
+``kv_tokens_held``, the full-precision tokens it held when it ended; on a server with
+the quantized tier also ``tier_tokens_held``, its tier tokens then. A request with a
+failed pass or a retraction evicted at other steps than it would have alone, so its
+greedy tokens may differ from a run without them.
 
 ``bounded_kv_tokens`` is the KV a request can hold at most under its policy, from its
 lengths alone: what budget-aware admission reserves for it.
@@ -46,7 +50,7 @@ CARRIER_KEY = "sglang_evict"
 FIELDS = ("enabled", "kv_budget_tokens", "cadence_tokens", "scorer", "tier_tokens")
 # The key of a response's meta_info holding what eviction did to the request.
 REPORT_KEY = "sglang_evict"
-REPORT_FIELDS = ("passes", "tokens_evicted", "peak_kv_tokens")
+REPORT_FIELDS = ("passes", "tokens_evicted", "peak_kv_tokens", "passes_failed", "retractions")
 
 
 class RequestPolicyError(ValueError):

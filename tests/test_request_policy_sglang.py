@@ -183,6 +183,8 @@ def test_finished_request_carries_its_report_at_its_last_output_token():
         "passes": len(results),
         "tokens_evicted": sum(r.tokens_evicted for r in results),
         "peak_kv_tokens": peak,
+        "passes_failed": 0,
+        "retractions": 0,
     }
     assert report["passes"] > 0 and peak == 32 + 16
     json.dumps(report)  # travels to the client as JSON
@@ -284,3 +286,43 @@ def test_report_counts_the_passes_from_before_a_retraction():
     report = report_of({REPORT_KEY: again.customized_info[REPORT_KEY]})
     assert report["passes"] == len(results) > getattr(req, CARRIED_ATTR)[0] > 0
     assert report["tokens_evicted"] == sum(r.tokens_evicted for r in results)
+    assert report["retractions"] == 1 and report["passes_failed"] == 0
+
+
+def test_report_counts_the_passes_that_failed_and_the_request_is_forgotten_at_finish():
+    """While another grant holds the pass lease every pass of the request fails (it
+    keeps its KV and backs off); its report counts them, its later passes commit, and
+    after it finishes the plugin holds nothing of it, the failures included."""
+    engine = Engine(page_size=1, config=server())
+    manager = engine.driver.evictor
+    held = manager.leases.acquire(manager.lease.resource, "someone-else", 10**9)
+    failing = engine.add_request("failing", list(range(10, 18)))
+    never = engine.add_request(
+        "never-evicts", list(range(20, 28)), custom_params=policy(enabled=False)
+    )
+    run(engine, [failing, never], 80)
+    attempts = manager.failures.counts["lease-busy"]
+    assert attempts >= 2 and engine.pass_log == []
+    assert manager.num_tracked_requests() == 1  # the failing request: no state, its failures
+    assert manager.leases.release(held)
+    run(engine, [failing, never], 80)
+    assert engine.pass_log  # committed once the lease was free
+    for req in (failing, never):
+        engine.finish(req)
+    assert manager.num_tracked_requests() == 0
+    report = report_of({REPORT_KEY: failing.customized_info[REPORT_KEY]})
+    assert report["passes_failed"] == attempts and report["passes"] == len(engine.pass_log)
+    assert report_of({REPORT_KEY: never.customized_info[REPORT_KEY]})["passes_failed"] == 0
+
+
+def test_a_request_whose_every_pass_failed_is_forgotten_at_finish():
+    """No pass ever committed, so it never had eviction state: its failures go too."""
+    engine = Engine(page_size=1, config=server())
+    manager = engine.driver.evictor
+    assert manager.leases.acquire(manager.lease.resource, "someone-else", 10**9)
+    req = engine.add_request("r", list(range(10, 18)))
+    run(engine, [req], 80)
+    assert manager.states.get("r") is None and manager.failures.failed_passes["r"] >= 2
+    engine.finish(req)
+    assert manager.num_tracked_requests() == 0
+    assert report_of({REPORT_KEY: req.customized_info[REPORT_KEY]})["passes_failed"] >= 2

@@ -92,6 +92,10 @@ class FailureTracker:
     clock_s: Callable[[], float] = time.monotonic
     # rid -> (consecutive failures, first decode step at which it may be due again)
     backoff: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # rid -> its failed passes since it was admitted (or re-admitted after a retraction):
+    # its report's ``passes_failed``. A request with one evicted later than it would have
+    # alone, so its tokens may differ from a run without the fault.
+    failed_passes: Counter = field(default_factory=Counter)
     counts: Counter = field(default_factory=Counter)
     streak: int = 0
     _logged: set = field(default_factory=set)
@@ -109,6 +113,7 @@ class FailureTracker:
         for rid in rids:
             failures = self.backoff.get(rid, (0, 0))[0] + 1
             self.backoff[rid] = (failures, step + min(2**failures, MAX_BACKOFF_STEPS))
+            self.failed_passes[rid] += 1
         self.counts[cause] += 1
         self._since_summary[cause] += 1
         self.streak += 1
@@ -123,6 +128,7 @@ class FailureTracker:
 
     def forget(self, rid: str) -> None:
         self.backoff.pop(rid, None)
+        self.failed_passes.pop(rid, None)
 
     def summary_due(self) -> dict[str, int] | None:
         """The failures by cause since the last summary, once ``SUMMARY_INTERVAL_S``

@@ -254,12 +254,12 @@ class EvictionManager:
         return int(mismatch[0]) if mismatch.numel() else kv_len
 
     def num_tracked_requests(self) -> int:
-        """Requests with eviction state or tier groups (none once every request has
-        finished)."""
-        tier_only = 0
+        """Requests with eviction state, tier groups or failed passes counted (none once
+        every request has finished)."""
+        rids = set(self.states) | self.failures.backoff.keys() | self.failures.failed_passes.keys()
         if self.tier_arena is not None:
-            tier_only = sum(1 for rid in self.tier_arena.owned if rid not in self.states)
-        return len(self.states) + tier_only
+            rids |= set(self.tier_arena.owned)
+        return len(rids)
 
     def first_evicted_position(self, rid: str, kv_len: int) -> int | None:
         """The smallest logical position no longer held (None: nothing evicted)."""

@@ -166,10 +166,12 @@ def _before_add_request_to_queue(scheduler, req, *args, **kwargs):
 
 def eviction_report(req, manager) -> dict:
     """What eviction did to ``req`` so far (read before its state is dropped): its
-    policy, passes, tokens evicted and the most KV it held, since it was admitted; the
-    full-precision tokens it holds now; on a server with the tier also its tier tokens."""
+    policy, passes, tokens evicted, the most KV it held, failed passes and retractions,
+    since it was admitted; the full-precision tokens it holds now; on a server with the
+    tier also its tier tokens."""
     policy = policy_of(req) or manager.default_policy
-    passes, evicted, peak = getattr(req, CARRIED_ATTR, (0, 0, 0))
+    carried = getattr(req, CARRIED_ATTR, (0,) * len(REPORT_FIELDS))
+    passes, evicted, peak, failed, retractions = carried
     state = manager.states.get(req.rid)
     kv = req_kv(req)
     held = kv.kv_allocated_len if req.kv is not None else kv.kv_committed_len
@@ -178,6 +180,8 @@ def eviction_report(req, manager) -> dict:
         "passes": passes + (state.num_passes if state else 0),
         "tokens_evicted": evicted + (state.tokens_evicted if state else 0),
         "peak_kv_tokens": max(peak, state.peak_kv_tokens if state else 0, held),
+        "passes_failed": failed + manager.failures.failed_passes.get(req.rid, 0),
+        "retractions": retractions,
         "kv_tokens_held": held,
     }
     if manager.tier_arena is not None:  # a server with the tier: what its tier holds now
@@ -191,6 +195,7 @@ def settle_report(req, manager) -> dict | None:
     finishes after its re-prefill (None)."""
     report = eviction_report(req, manager)
     if not req.finished():  # retraction: SGLang releases unfinished requests only then
+        report["retractions"] += 1
         setattr(req, CARRIED_ATTR, tuple(report[key] for key in REPORT_FIELDS))
         return None
     write_report(req, report)

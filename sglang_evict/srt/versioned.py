@@ -184,11 +184,13 @@ class _Lifecycle0517:
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         self.settle_request(req)  # the backend's: the request's report, before its state goes
         state = self.evictor.states.get(req.rid)
-        if state is None or self.disable:
-            return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
         try:
+            if state is None or self.disable:
+                return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
             self._cache_finished_evicted_req(req, is_insert, kv_len_to_handle)
         finally:
+            # Always: a request whose passes all failed has no state, but its failures
+            # are counted (its backoff and report) until it goes.
             self.evictor.forget(req.rid)
 
     def _cache_finished_evicted_req(self, req, is_insert: bool, kv_len: int) -> None:
