@@ -77,6 +77,22 @@ def pytest_configure(config):
         "every supported release (`-m 'sglang or release_smoke'`)",
     )
     check_xdist_groups_apply(config)
+    share_the_cores(config)
+
+
+def share_the_cores(config) -> None:
+    """An xdist worker gets its share of the cores: ``cores // workers`` threads for its
+    own torch and, through ``OMP_NUM_THREADS``, for the processes it starts (benches,
+    the demo, servers), unless the variable was set. On two cores two workers of two
+    threads each oversubscribe them, and every OpenMP barrier then waits for a time
+    slice: a reference-loop test took 21 s beside a busy worker at two threads, 1.6 s
+    at one (2026-11-28)."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers is None or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def check_xdist_groups_apply(config) -> None:
@@ -133,19 +149,51 @@ SGLANG_FACING = {
 }
 
 
+# Engine test modules whose engines serve another model than the main group's, so no
+# engine is shared across the line: each set is its own xdist group and runs on the
+# other worker beside the main group (an engine test runs at about one core: its engine
+# has one thread, and the test mostly waits on it).
+ENGINE_GROUPS_BY_MODULE = {
+    "test_engine_tier.py": "engine-head-dim-64",
+    "test_engine_tier_triton.py": "engine-head-dim-64",
+    "test_engine_tensor_parallel.py": "engine-head-dim-64",
+    "test_engine_real_model.py": "engine-real-model",
+}
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Engine tests run in one xdist worker (``--dist loadgroup``): they share the
-    session's engines, and two workers each starting their own would double the cost.
-    A test starting engines of its own (the demo: ``engine_group`` marker) runs apart,
-    beside them. Modules in ``SGLANG_FACING`` are marked ``sglang``."""
+    """Engine tests sharing engines run in one xdist worker (``--dist loadgroup``): two
+    workers each starting the same engines would double the cost. The main group is
+    ``engine``; modules whose engines serve another model are groups of their own
+    (``ENGINE_GROUPS_BY_MODULE``), and a test starting engines of its own (the demo:
+    ``engine_group`` marker) runs apart. Modules in ``SGLANG_FACING`` are marked
+    ``sglang``."""
     for item in items:
         if item.path.name in SGLANG_FACING:
             item.add_marker(pytest.mark.sglang)
         if item.get_closest_marker("engine") is not None:
             own = item.get_closest_marker("engine_group")
-            group = own.args[0] if own is not None else "engine"
+            group = ENGINE_GROUPS_BY_MODULE.get(item.path.name, "engine")
+            group = own.args[0] if own is not None else group
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _xdist_group(item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    return marker.args[0] if marker is not None and marker.args else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """When this worker's next test belongs to another group, the engines of this one
+    are shut down: no engine is shared across groups, and each worker runs a group's
+    tests together, so they would only hold memory while other groups start theirs."""
+    registry = item.config.stash.get(_ENGINE_REGISTRY, None)
+    if registry is None or not registry.live:
+        return
+    if nextitem is None or _xdist_group(nextitem) != _xdist_group(item):
+        registry.close_all()
 
 
 @pytest.fixture(scope="session")
