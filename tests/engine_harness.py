@@ -30,9 +30,25 @@ from sglang_evict.srt.engine_runner import (
     server_flags,
 )
 
-# Idle engines sleep on their sockets (``sleep_on_idle``): one costs memory (about 3 GB
-# over its three processes), not CPU, so the few every file shares stay up.
+# Idle engines sleep on their sockets (``sleep_on_idle``): one costs memory (about
+# 3.7 GB over its three processes, measured 2026-11-28), not CPU, so the few every file
+# shares stay up.
 MAX_LIVE_ENGINES = 4
+# Before an engine starts, this worker's idle engines (oldest first) are shut until the
+# machine has this much memory available (an engine and a margin): both xdist workers
+# hold engines, and the demo's, the benches' and the router's start beside them.
+ENGINE_ROOM_BYTES = 5 * 2**30
+
+
+def memory_available_bytes() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` (what can be allocated without swapping)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+
 # One OpenMP thread per engine: the suite runs in two xdist workers on two cores, and
 # engines of both (and the demo's two) generate at once; OpenMP threads spinning
 # against each other's slow every engine many times over.
@@ -160,7 +176,9 @@ class EngineRegistry:
         if engine is not None and engine.alive:
             self.live[spec] = engine  # most recently used last
             return engine
-        while len(self.live) >= MAX_LIVE_ENGINES:
+        while self.live and (
+            len(self.live) >= MAX_LIVE_ENGINES or memory_available_bytes() < ENGINE_ROOM_BYTES
+        ):
             oldest = next(iter(self.live))
             self.live.pop(oldest).close()
         return None
