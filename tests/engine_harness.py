@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 
 from sglang_evict.config import EvictionConfig
@@ -38,17 +39,6 @@ MAX_LIVE_ENGINES = 4
 # machine has this much memory available (an engine and a margin): both xdist workers
 # hold engines, and the demo's, the benches' and the router's start beside them.
 ENGINE_ROOM_BYTES = 5 * 2**30
-
-
-def memory_available_bytes() -> int:
-    """``MemAvailable`` of ``/proc/meminfo`` (what can be allocated without swapping)."""
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line")
-
-
 # One OpenMP thread per engine: the suite runs in two xdist workers on two cores, and
 # engines of both (and the demo's two) generate at once; OpenMP threads spinning
 # against each other's slow every engine many times over.
@@ -177,7 +167,8 @@ class EngineRegistry:
             self.live[spec] = engine  # most recently used last
             return engine
         while self.live and (
-            len(self.live) >= MAX_LIVE_ENGINES or memory_available_bytes() < ENGINE_ROOM_BYTES
+            len(self.live) >= MAX_LIVE_ENGINES
+            or psutil.virtual_memory().available < ENGINE_ROOM_BYTES
         ):
             oldest = next(iter(self.live))
             self.live.pop(oldest).close()

@@ -256,7 +256,7 @@ class EvictionManager:
     def num_tracked_requests(self) -> int:
         """Requests with eviction state, tier groups or failed passes counted (none once
         every request has finished)."""
-        rids = set(self.states) | self.failures.backoff.keys() | self.failures.failed_passes.keys()
+        rids = set(self.states) | self.failures.failed_passes.keys()  # backoff's are in it
         if self.tier_arena is not None:
             rids |= set(self.tier_arena.owned)
         return len(rids)
