@@ -17,9 +17,10 @@ host process (``sglang_evict.srt.engine_runner``):
             compares eager, replayed and auto-grouped passes in one run
     +tier   suffix of an ``on`` mode: the quantized tier on (--tier-bits, --tier-group,
             --tier-tokens): what a pass does not keep enters the tier, and every decode
-            layer merges the tier's attention (``torch_native`` only so far: a CPU run,
-            ``--device cpu --attention-backend torch_native``), so --modes plain,on,on+tier
-            compares plain SGLang, eviction and the tier in one run
+            layer merges the tier's attention, so --modes plain,on,on+tier compares
+            plain SGLang, eviction and the tier in one run. On a GPU the tier with
+            ``triton`` is a trial (the server refuses it until it has passed there:
+            ``server_args.TIER_GPU_TRIAL_ENV``, which this bench sets)
     +tier-tensor  the same, the engine's CPU merge in its tensor form
             (``SGLANG_EVICT_TIER_CPU_KERNEL=0``) instead of the compiled kernel, so
             --modes on+tier,on+tier-tensor compares the two
@@ -117,6 +118,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_running_requests=2 * args.batch,
         cuda_graph_max_bs_decode=args.batch,
         mem_fraction_static=args.mem_fraction,
+        # The bench times decode steps; SGLang 0.5.17 captures prefill graphs for 58
+        # token counts by default, over a minute per engine on an H200 (2026-11-28).
+        disable_prefill_cuda_graph=True,
     )
     if args.cuda_graph == "off":
         kwargs["disable_cuda_graph"] = True
@@ -191,9 +195,14 @@ def run_mode(args: argparse.Namespace, mode: str, log_dir: Path) -> dict:
     sampling = {"max_new_tokens": args.out_len, "ignore_eos": True, "temperature": 0.0}
     log_path = log_dir / f"engine_{mode.replace(':', '_group').replace('+', '_')}.log"
     log_path.unlink(missing_ok=True)
-    env = {"SGLANG_EVICT_TIER_CPU_KERNEL": "0"} if mode.endswith("+tier-tensor") else None
+    env = {"SGLANG_EVICT_TIER_CPU_KERNEL": "0"} if mode.endswith("+tier-tensor") else {}
+    if mode.endswith(("+tier", "+tier-tensor")) and args.device == "cuda":
+        from sglang_evict.srt.server_args import TIER_GPU_TRIAL_ENV
+
+        # the tier with triton on a GPU is refused until proven there: this bench is a trial
+        env[TIER_GPU_TRIAL_ENV] = "1"
     with EngineProcess(
-        engine_kwargs(args), policy=policy_for(args, mode), log_path=log_path, env=env
+        engine_kwargs(args), policy=policy_for(args, mode), log_path=log_path, env=env or None
     ) as e:
         info = e.server_info()
         warm = [[(7 * i + j) % (vocab - 3) + 3 for j in range(32)] for i in range(args.batch)]

@@ -5,10 +5,14 @@
 #   bash scripts/gpu_check.sh kernels   # bench_tier, bench_repack, bench_scoring: kernels against a device copy
 #   bash scripts/gpu_check.sh benches   # bench_pass and bench_step_hooks --device cuda, then the kernels part
 #   bash scripts/gpu_check.sh engine    # benches/engine_eviction.py: SGLang's engine, eviction on vs off
+#   bash scripts/gpu_check.sh tier      # the tier inside CUDA-graph replays (test), then its decode step
+#                                       # against plain SGLang and eviction off (engine_eviction.py)
+#   bash scripts/gpu_check.sh capture   # the GPU-backend engine test alone (triton, flashinfer)
 #   bash scripts/gpu_check.sh tests benches engine   # several parts, in order, one set-up
 #
 # Time limits per step (seconds): TESTS_TIMEOUT_S, ENGINE_TESTS_TIMEOUT_S (0 skips the
-# GPU-backend engine test), BENCH_TIMEOUT_S, ENGINE_TIMEOUT_S; BENCH_PASS_ARGS replaces
+# GPU-backend engine test), TIER_TESTS_TIMEOUT_S, BENCH_TIMEOUT_S, ENGINE_TIMEOUT_S
+# (TIER_ENGINE_TIMEOUT_S for tier's bench); BENCH_PASS_ARGS replaces
 # the default bench_pass sweep's arguments.
 #
 # Needs SGLang 0.5.17 importable there. On a machine that has only torch and Triton
@@ -17,7 +21,7 @@
 #   .whl/: the project's runtime dependencies the image lacks, as cp312 wheels (docs/performance.md, "On a GPU")
 # Logs and result files go to $OUT (or /tmp/gpu_check). Each part is bounded by `timeout`.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: gpu_check.sh tests|kernels|benches|engine ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_check.sh tests|kernels|benches|engine|tier|capture ..." >&2; exit 2; }
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 if [ -f .gpu_carry/env.sh ]; then
@@ -41,6 +45,30 @@ kernel_benches() {
 
 for part in "$@"; do
 case "$part" in
+capture)
+  timeout "${ENGINE_TESTS_TIMEOUT_S:-300}" python3 -m pytest -q -p no:cacheprovider -n 0 -ra \
+    "tests/test_engine_capture.py::test_gpu_backend_captures_queries_inside_cuda_graph_replays" \
+    2>&1 | tee "$out/pytest_gpu_engine.log"
+  ;;
+tier)
+  # The tier's merge recorded into SGLang's decode CUDA graphs: graphs on = graphs off,
+  # and not what eviction alone generates.
+  timeout "${TIER_TESTS_TIMEOUT_S:-300}" python3 -m pytest -q -p no:cacheprovider -n 0 -ra \
+    "tests/test_engine_tier_triton.py::test_the_tier_merges_inside_cuda_graph_replays_on_a_gpu" \
+    2>&1 | tee "$out/pytest_gpu_tier.log"
+  # Its decode step: plain SGLang in one engine, the tier (3 bits, eager passes) in
+  # another, alternating with eviction off per request in that one (--paired).
+  model=${MODEL:-/tmp/llama_rand}
+  if [ ! -f "$model/config.json" ]; then
+    python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-} || exit 1
+  fi
+  logs=$(mktemp -d)
+  timeout "${TIER_ENGINE_TIMEOUT_S:-300}" python3 benches/engine_eviction.py --model "$model" \
+    --out "$logs/engine_tier.json" ${TIER_ENGINE_ARGS:---modes plain,on+tier --repeats 3 --paired} \
+    2>&1 | tee "$out/engine_tier.txt"
+  cp "$logs/engine_tier.json" "$out/" 2>/dev/null
+  tar -C "$logs" -czf "$out/engine_tier-logs.tar.gz" .
+  ;;
 tests)
   # The kernels on CUDA tensors (compiled, programs in parallel), the pass under
   # set_sync_debug_mode("error"), the query ring in CUDA graphs, CUDA IPC to the sidecar.
@@ -84,7 +112,7 @@ engine)
   tar -C "$logs" -czf "$out/$name-logs.tar.gz" .
   ;;
 *)
-  echo "unknown part $part: tests, kernels, benches or engine" >&2
+  echo "unknown part $part: tests, kernels, benches, engine, tier or capture" >&2
   exit 2
   ;;
 esac

@@ -173,6 +173,13 @@ def test_an_evictable_prompt_is_scored_at_its_first_pass_by_its_prefill_queries(
     assert result.passes[0][1] == 1  # the reference's second decode step too
 
 
+# The GPU test's pool: the pass graphs' memory pool is reserved from the KV pool
+# (``sglang_evict.srt.graph_pool``), so the pool holds it (at 512 bytes a token: the
+# head-dim-64 model's 2 layers x 1 KV head x 64 x K and V in bf16) beside the usual 4096.
+GPU_PASS_GRAPH_POOL_MIB = 16
+GPU_POOL_TOKENS = 4096 + GPU_PASS_GRAPH_POOL_MIB * 2**20 // 512
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU backends)")
 @pytest.mark.parametrize(
     ("backend", "backend_class"),
@@ -184,22 +191,29 @@ def test_gpu_backend_captures_queries_inside_cuda_graph_replays(
     """On a GPU backend, decode runs as CUDA-graph replays, where no Python hook runs:
     the ring still gets each step's queries (the copy is in the graph), so ``rkv``
     generates the same tokens with graphs as without, and the backend is SGLang's."""
+    from sglang_evict.engine_model import ensure_engine_model
+
     gpu = {
+        # head dim 64: FlashInfer's prefill has no kernel for the base model's 16
+        "model_path": str(ensure_engine_model(variant="head_dim64")),
         "device": "cuda",
         "attention_backend": backend,
         "model_impl": "auto",
         "dtype": "bfloat16",
+        "disable_prefill_cuda_graph": True,  # decode's graphs are the subject (and start fast)
     }
     outputs = {}
     for graphs in (True, False):
         spec = EngineSpec.plugin(
             1,
+            max_total_tokens=GPU_POOL_TOKENS,
             engine_args={
                 **gpu,
                 "disable_cuda_graph": not graphs,
                 "max_running_requests": MAX_RUNNING_REQUESTS,
             },
             **capture_policy("rkv"),
+            pass_graph_pool_mib=GPU_PASS_GRAPH_POOL_MIB,
         )
         engine = engines.get(spec)
         mark = engine.mark()

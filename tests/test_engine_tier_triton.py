@@ -13,7 +13,9 @@ slow, so the test is short: two prompts, one engine."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from sglang_evict.srt.server_args import TIER_GPU_TRIAL_ENV
 from tests.engine_harness import (
     ENGINE_TIER,
     EngineSpec,
@@ -72,4 +74,67 @@ def test_the_tier_merged_with_tritons_split_kv_decode_equals_the_reference_loop(
         "tier with the triton backend (interpreted)",
         "passes (engine = reference), tokens demoted, merges from split-KV stage 1",
         f"{len(passes)}, {demoted}, {calls['split_kv_lse']}",
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
+def test_the_tier_merges_inside_cuda_graph_replays_on_a_gpu(engines, engine_model):
+    """On a GPU, decode runs as CUDA-graph replays, where no Python hook runs: the merge
+    recorded at capture (the tier's Triton kernel, ``split_kv_lse`` over stage 1's
+    buffers, the merge) must read each replay's rows and groups. A 3-bit tier in bf16:
+    graphs on generate what graphs off generate, and not what eviction alone does with
+    the same budget (so the replays did attend the tier)."""
+    from sglang_evict.engine_model import ensure_engine_model
+    from sglang_evict.request_policy import report_of
+
+    model = ensure_engine_model(variant="head_dim64")
+    prompts = shared_system_prompts(engine_model)[:2]  # a batch of two: no padded rows
+    gpu = {
+        "model_path": str(model),
+        "device": "cuda",
+        "attention_backend": "triton",
+        "dtype": "bfloat16",
+        "max_running_requests": 4,
+        "cuda_graph_max_bs_decode": 4,
+        "disable_prefill_cuda_graph": True,  # decode's graphs are the subject (and start fast)
+    }
+    # triton with the tier is refused on a GPU until this test passes there
+    # (``server_args.TIER_BACKENDS_CPU_ONLY``): the trial switch starts it anyway.
+    trial = {TIER_GPU_TRIAL_ENV: "1"}
+    outputs, tiers = {}, {}
+    for label, graphs, tier_bits in (
+        ("graphs", True, 3),
+        ("eager", False, 3),
+        ("no tier", True, None),
+    ):
+        # the control evicts as the tier's passes do: eagerly (no pass graphs, no pool)
+        policy = (
+            policy_fields(**TIER, pass_cuda_graph=False)
+            if tier_bits is None
+            else policy_fields(tier_bits=tier_bits, **TIER)
+        )
+        engine = engines.get(
+            EngineSpec.plugin(
+                1, engine_args={**gpu, "disable_cuda_graph": not graphs}, env=trial, **policy
+            )
+        )
+        mark = engine.mark()
+        outs = engine.generate(prompts, greedy(NEW_TOKENS))
+        outputs[label] = [o["output_ids"] for o in outs]
+        assert engine.pass_records(mark), f"{label}: no pass ran"
+        if tier_bits is not None:
+            held = [report_of(o["meta_info"])["tier_tokens_held"] for o in outs]
+            assert all(h > 0 for h in held), f"{label}: a request held no tier: {held}"
+            tier = engine.plugin_state()["tier"]
+            calls = tier["hook_calls"]
+            assert calls["decode_merged"] > 0 and calls["split_kv_lse"] == calls["decode_merged"]
+            assert tier["merged_by"] == "tier_attention_triton"
+            tiers[label] = calls
+        assert_clean_after(engine, mark)
+    assert_same_tokens(outputs["graphs"], outputs["eager"], who="CUDA graphs on")
+    assert outputs["graphs"] != outputs["no tier"], "the replays generated as if no tier were held"
+    engines.report(
+        "tier with the triton backend on a GPU",
+        "merges recorded (graphs) / run (eager); graphs = eager tokens",
+        f"{tiers['graphs']['decode_merged']} / {tiers['eager']['decode_merged']}; equal",
     )

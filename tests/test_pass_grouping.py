@@ -93,6 +93,42 @@ def test_pass_graphs_are_refused_without_sglangs_graphs_or_off_cuda():
     assert startup_problems(off, default) == [] and startup_problems(cpu, default) == []
 
 
+def test_pass_graphs_are_refused_and_not_reserved_beside_parts_whose_passes_run_eagerly():
+    """The tier's demotion and the sidecar's moves are not replayed
+    (``PassManager._graphable``): asking for pass graphs with either is refused, and by
+    default no graph pool is reserved for them (``graph_pool.pass_graphs_on``)."""
+    from sglang_evict.srt.graph_pool import pass_graphs_on
+
+    gpu = ServerArgs(model_path="dummy", device="cuda", attention_backend="torch_native")
+    eager_parts = {
+        "--kv-tier-bits": dict(tier_bits=3),
+        "--kv-compactor grpc": dict(compactor="grpc"),
+    }
+    for flag, fields in eager_parts.items():
+        forced = EvictionConfig(
+            kv_budget_tokens=1024, scorer="knorm", pass_cuda_graph=True, **fields
+        )
+        refusals = [
+            p for p in startup_problems(gpu, forced) if p.startswith("--kv-pass-cuda-graph")
+        ]
+        assert len(refusals) == 1 and flag in refusals[0], (flag, refusals)
+        default = EvictionConfig(kv_budget_tokens=1024, scorer="knorm", **fields)
+        assert not any(p.startswith("--kv-pass-cuda-graph") for p in startup_problems(gpu, default))
+        assert not pass_graphs_on(default, gpu, "cuda"), flag
+    assert pass_graphs_on(EvictionConfig(kv_budget_tokens=1024, scorer="knorm"), gpu, "cuda")
+
+
+def test_the_tier_with_triton_on_a_gpu_is_refused_unless_tried_on_purpose(monkeypatch):
+    from sglang_evict.srt.server_args import TIER_GPU_TRIAL_ENV
+
+    tier = EvictionConfig(kv_budget_tokens=1024, scorer="knorm", tier_bits=3)
+    triton = ServerArgs(model_path="dummy", device="cuda", attention_backend="triton")
+    monkeypatch.delenv(TIER_GPU_TRIAL_ENV, raising=False)
+    assert any("triton on cuda" in p for p in startup_problems(triton, tier))
+    monkeypatch.setenv(TIER_GPU_TRIAL_ENV, "1")
+    assert not any("triton" in p for p in startup_problems(triton, tier))
+
+
 @pytest.mark.skipif(not IS_0_5_23, reason="SGLang 0.5.23's flag (0.5.17 has none)")
 def test_pass_graphs_are_refused_when_sglangs_decode_graph_backend_is_disabled():
     """0.5.23 turns decode graphs off with ``--cuda-graph-backend-decode disabled``,

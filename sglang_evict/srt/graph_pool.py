@@ -13,8 +13,9 @@ the way the query ring is reserved (``sglang_evict.srt.capture``)::
                                                       shapes past it run eagerly
 
 Only a server that will replay passes reserves: the pool on CUDA, SGLang's CUDA graphs
-on and ``--no-kv-pass-cuda-graph`` not given (``pass_graphs_on``, the one decision the
-cache factory follows too).
+on, ``--no-kv-pass-cuda-graph`` not given, and neither the quantized tier nor the gRPC
+compactor on, whose passes run eagerly (``pass_graphs_on``, the one decision the cache
+factory follows too).
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ logger = logging.getLogger(__name__)
 
 def pass_graphs_on(config: EvictionConfig, server_args, device) -> bool:
     """Whether this server replays passes as CUDA graphs: not turned off, the KV pool on
-    CUDA, and SGLang's own decode graphs on (``--kv-pass-cuda-graph`` with
-    ``--disable-cuda-graph`` is refused at start-up: ``server_args.check_startup``)."""
+    CUDA, SGLang's own decode graphs on, and no part on whose passes run eagerly (the
+    quantized tier's demotion, the gRPC sidecar's moves: ``PassManager._graphable``).
+    ``--kv-pass-cuda-graph`` with any of those off or on is refused at start-up
+    (``server_args.startup_problems``)."""
     if config.pass_cuda_graph is False:
+        return False
+    if config.tier_bits is not None or config.compactor == "grpc":
         return False
     if not str(device).startswith("cuda"):
         return False

@@ -296,6 +296,17 @@ def startup_problems(
                 f"--kv-pass-cuda-graph needs a CUDA device (the server runs on --device "
                 f"{device}); remove it"
             )
+        if config.tier_bits is not None:
+            problems.append(
+                "--kv-pass-cuda-graph with --kv-tier-bits: the tier's passes run eagerly (its "
+                "demotion is not replayed as a CUDA graph yet); remove --kv-pass-cuda-graph"
+            )
+        if config.compactor == "grpc":
+            problems.append(
+                "--kv-pass-cuda-graph with --kv-compactor grpc: the sidecar's moves run "
+                "outside any CUDA graph; remove --kv-pass-cuda-graph or use --kv-compactor "
+                "inprocess"
+            )
     tp_size = getattr(server_args, "tp_size", 1) or 1
     supported_under_tp = RANK_INDEPENDENT_SCORERS + TP_REDUCED_SCORERS
     if tp_size > 1 and scorer not in supported_under_tp:
@@ -316,8 +327,24 @@ def startup_problems(
 TIER_BACKENDS = ("torch_native", "triton")
 # Of those, the ones proven only in SGLang's engine on CPU (``triton`` under Triton's
 # interpreter: tests/test_engine_tier_triton.py); on a GPU, with its CUDA graphs, they
-# have not run yet, and are refused there until they have.
+# have not passed yet, and are refused there until they have.
 TIER_BACKENDS_CPU_ONLY = ("triton",)
+# ``1`` in the server's environment starts those backends with the tier on a GPU anyway,
+# to prove them there (the GPU test in tests/test_engine_tier_triton.py sets it); not
+# for serving.
+TIER_GPU_TRIAL_ENV = "SGLANG_EVICT_TIER_GPU_TRIAL"
+
+
+def tier_backend_refused(backend: str | None, device: str) -> bool:
+    """Whether the tier with ``backend`` on ``device`` is refused: a CPU-only backend
+    off the CPU, unless ``TIER_GPU_TRIAL_ENV`` asks to try it."""
+    return (
+        backend in TIER_BACKENDS_CPU_ONLY
+        and device != "cpu"
+        and os.environ.get(TIER_GPU_TRIAL_ENV) != "1"
+    )
+
+
 # KV cache dtypes the tier quantizes from (block-scaled and fp8 pools are not read yet).
 TIER_KV_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 
@@ -334,7 +361,7 @@ def _tier_problems(server_args, config: EvictionConfig) -> list[str]:
             f"torch_native or drop --kv-tier-*"
         )
     device = str(getattr(server_args, "device", None) or "cuda")
-    if backend in TIER_BACKENDS_CPU_ONLY and device != "cpu":
+    if tier_backend_refused(backend, device):
         problems.append(
             f"--kv-tier-bits with --attention-backend {backend} on {device}: the tier's merge "
             f"with {backend}'s decode has run in SGLang's engine on CPU only, not yet on a GPU "

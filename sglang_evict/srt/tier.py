@@ -33,7 +33,8 @@ over its tier. The full side's log-sum-exp comes from the backend:
   interpreter (``TRITON_INTERPRET=1``), where it generates what the reference loop does
   (tests/test_engine_tier_triton.py); it has not run on a GPU or inside CUDA graphs, so
   the server refuses ``triton`` with the tier on any device but the CPU
-  (``server_args.TIER_BACKENDS_CPU_ONLY``).
+  (``server_args.TIER_BACKENDS_CPU_ONLY``; ``server_args.TIER_GPU_TRIAL_ENV`` lifts the
+  refusal for the GPU check, ``scripts/gpu_check.sh tier``).
 
 The server refuses the tier with any backend outside ``server_args.TIER_BACKENDS`` at
 start (``server_args.startup_problems``).
@@ -55,7 +56,7 @@ import torch
 
 from sglang_evict.config import EvictionConfig
 from sglang_evict.srt.capture import kv_bytes_per_token_of, plugin_policy
-from sglang_evict.srt.server_args import TIER_BACKENDS, TIER_BACKENDS_CPU_ONLY
+from sglang_evict.srt.server_args import TIER_BACKENDS, tier_backend_refused
 from sglang_evict.srt.versioned import attention_tp_size
 
 logger = logging.getLogger(__name__)
@@ -259,7 +260,7 @@ def attach(manager, model_runner) -> None:
     backend = type(getattr(model_runner, "attn_backend", None)).__name__
     name = _BACKEND_CLASSES.get(backend)
     device = torch.device(model_runner.device).type
-    if name not in TIER_BACKENDS or (name in TIER_BACKENDS_CPU_ONLY and device != "cpu"):
+    if name not in TIER_BACKENDS or tier_backend_refused(name, device):
         where = "" if name not in TIER_BACKENDS else f" on CPU ({name} on {device} is not)"
         raise ValueError(
             f"--kv-tier-bits merges the tier's attention with SGLang's "
