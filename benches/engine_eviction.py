@@ -184,6 +184,17 @@ def policy_for(args: argparse.Namespace, mode: str) -> dict | None:
     }
 
 
+def engine_env_for(args: argparse.Namespace, mode: str) -> dict | None:
+    """The environment ``mode``'s engine starts with (None: this process's)."""
+    env = {"SGLANG_EVICT_TIER_CPU_KERNEL": "0"} if mode.endswith("+tier-tensor") else {}
+    if mode.endswith(("+tier", "+tier-tensor")) and args.device == "cuda":
+        from sglang_evict.srt.server_args import TIER_GPU_TRIAL_ENV
+
+        # the tier with triton on a GPU is refused until proven there: this bench is a trial
+        env[TIER_GPU_TRIAL_ENV] = "1"
+    return env or None
+
+
 PAIRED_OFF = {"custom_params": {"sglang_evict": {"enabled": False}}}
 
 
@@ -195,14 +206,11 @@ def run_mode(args: argparse.Namespace, mode: str, log_dir: Path) -> dict:
     sampling = {"max_new_tokens": args.out_len, "ignore_eos": True, "temperature": 0.0}
     log_path = log_dir / f"engine_{mode.replace(':', '_group').replace('+', '_')}.log"
     log_path.unlink(missing_ok=True)
-    env = {"SGLANG_EVICT_TIER_CPU_KERNEL": "0"} if mode.endswith("+tier-tensor") else {}
-    if mode.endswith(("+tier", "+tier-tensor")) and args.device == "cuda":
-        from sglang_evict.srt.server_args import TIER_GPU_TRIAL_ENV
-
-        # the tier with triton on a GPU is refused until proven there: this bench is a trial
-        env[TIER_GPU_TRIAL_ENV] = "1"
     with EngineProcess(
-        engine_kwargs(args), policy=policy_for(args, mode), log_path=log_path, env=env or None
+        engine_kwargs(args),
+        policy=policy_for(args, mode),
+        log_path=log_path,
+        env=engine_env_for(args, mode),
     ) as e:
         info = e.server_info()
         warm = [[(7 * i + j) % (vocab - 3) + 3 for j in range(32)] for i in range(args.batch)]
@@ -297,6 +305,20 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def preflight_modes(args: argparse.Namespace, modes: list[str]) -> int:
+    """``--preflight``: each mode's problems, one line each; 1 when any mode has one."""
+    from sglang_evict.srt.preflight import preflight
+
+    failed = 0
+    for mode in modes:
+        problems = preflight(
+            engine_kwargs(args), policy_for(args, mode), engine_env_for(args, mode)
+        )
+        print(f"{mode}: {'would start' if not problems else '; '.join(problems)}")
+        failed += bool(problems)
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a HF model folder (GPU machine)")
@@ -335,6 +357,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benches/results/engine_eviction.json")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument(
+        "--preflight",
+        action="store_true",
+        help="start no engine: check that every mode's engine would start (SGLang's "
+        "arguments, the plugin's refusals; sglang_evict.srt.preflight), then exit",
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
         help="tiny run on SGLang's CPU engine with the project's model (checks the script)",
@@ -355,6 +383,8 @@ def main(argv=None) -> int:
         parser.error(str(error))
     if args.pass_group_steps < 1:
         parser.error("--pass-group-steps must be at least 1")
+    if args.preflight:
+        return preflight_modes(args, modes)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -404,6 +434,9 @@ def main(argv=None) -> int:
     for mode in (m for m in modes if m.startswith("on") and "plain" in summaries):
         ratio = summaries[mode]["peak_tokens"] / max(1, summaries["plain"]["peak_tokens"])
         print(f"peak KV tokens, eviction {mode} / plain: {ratio:.2f}")
+    for mode in (m for m in modes if "+tier" in m and "plain" in summaries):
+        ratio = summaries[mode]["step_ms_mean"] / summaries["plain"]["step_ms_mean"]
+        print(f"decode step time, {mode} / plain SGLang: {ratio:.3f} (goal <= 1.10)")
     for r in results.values():
         r.pop("output_ids")
     out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))

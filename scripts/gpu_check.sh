@@ -63,6 +63,9 @@ tier)
     python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-} || exit 1
   fi
   logs=$(mktemp -d)
+  # shellcheck disable=SC2086
+  python3 benches/engine_eviction.py --model "$model" ${TIER_ENGINE_ARGS:---modes plain,on+tier} \
+    --preflight 2>&1 | tee "$out/engine_tier_preflight.txt" || exit 1
   timeout "${TIER_ENGINE_TIMEOUT_S:-300}" python3 benches/engine_eviction.py --model "$model" \
     --out "$logs/engine_tier.json" ${TIER_ENGINE_ARGS:---modes plain,on+tier --repeats 3 --paired} \
     2>&1 | tee "$out/engine_tier.txt"
@@ -106,6 +109,10 @@ engine)
   fi
   name=${NAME:-engine_eviction}
   logs=$(mktemp -d)
+  # shellcheck disable=SC2086
+  python3 benches/engine_eviction.py --model "$model" \
+    ${ENGINE_ARGS:---modes off,on:1+graph,on:auto+graph --repeats 2 --paired} --preflight 2>&1 \
+    | tee "$out/${name}_preflight.txt" || exit 1
   timeout "${ENGINE_TIMEOUT_S:-540}" python3 benches/engine_eviction.py --model "$model" \
     --out "$logs/$name.json" ${ENGINE_ARGS:---modes off,on:1+graph,on:auto+graph --repeats 2 --paired} 2>&1 | tee "$out/$name.txt"
   cp "$logs/$name.json" "$out/" 2>/dev/null

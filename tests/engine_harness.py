@@ -121,6 +121,23 @@ class EngineSpec:
         return f"{kind}-page{self.page_size}{overlap}-pool{self.max_total_tokens}{extra}"
 
 
+def engine_kwargs_of(spec: EngineSpec, model_path) -> dict:
+    """The ``sglang.Engine`` arguments ``spec`` starts with (``model_path`` unless the
+    spec names its own)."""
+    extra = json.loads(spec.engine_json)
+    return cpu_engine_kwargs(
+        extra.pop("model_path", model_path),
+        page_size=spec.page_size,
+        max_total_tokens=spec.max_total_tokens,
+        disable_overlap_schedule=not spec.overlap,
+        **extra,
+    )
+
+
+def engine_env_of(spec: EngineSpec) -> dict:
+    return {**ENGINE_THREADS, **json.loads(spec.env_json)}
+
+
 @dataclass(frozen=True)
 class ServedSpec:
     """An HTTP server started with ``sglang-evict serve`` and these flags (and
@@ -191,18 +208,10 @@ class EngineRegistry:
         engine = self._reuse(spec)
         if engine is not None:
             return engine
-        extra = json.loads(spec.engine_json)  # may name another model_path
-        kwargs = cpu_engine_kwargs(
-            extra.pop("model_path", self.model_path),
-            page_size=spec.page_size,
-            max_total_tokens=spec.max_total_tokens,
-            disable_overlap_schedule=not spec.overlap,
-            **extra,
-        )
         engine = EngineProcess(
-            kwargs,
+            engine_kwargs_of(spec, self.model_path),
             policy=spec.policy_json,
-            env={**ENGINE_THREADS, **json.loads(spec.env_json)},
+            env=engine_env_of(spec),
             log_path=self.log_dir / f"{spec.label()}-{time.monotonic_ns()}.log",
         ).start()
         self.start_times_s.append((spec.label(), round(engine.start_s, 1)))

@@ -180,17 +180,12 @@ GPU_PASS_GRAPH_POOL_MIB = 16
 GPU_POOL_TOKENS = 4096 + GPU_PASS_GRAPH_POOL_MIB * 2**20 // 512
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU backends)")
-@pytest.mark.parametrize(
-    ("backend", "backend_class"),
-    [("triton", "TritonAttnBackend"), ("flashinfer", "FlashInferAttnBackend")],
-)
-def test_gpu_backend_captures_queries_inside_cuda_graph_replays(
-    engines, prompts, backend, backend_class
-):
-    """On a GPU backend, decode runs as CUDA-graph replays, where no Python hook runs:
-    the ring still gets each step's queries (the copy is in the graph), so ``rkv``
-    generates the same tokens with graphs as without, and the backend is SGLang's."""
+GPU_BACKENDS = {"triton": "TritonAttnBackend", "flashinfer": "FlashInferAttnBackend"}
+
+
+def gpu_capture_spec(backend: str, graphs: bool) -> EngineSpec:
+    """The GPU test's engine (``tests/test_gpu_preflight.py`` checks on CPU that it
+    would start)."""
     from sglang_evict.engine_model import ensure_engine_model
 
     gpu = {
@@ -201,24 +196,31 @@ def test_gpu_backend_captures_queries_inside_cuda_graph_replays(
         "model_impl": "auto",
         "dtype": "bfloat16",
         "disable_prefill_cuda_graph": True,  # decode's graphs are the subject (and start fast)
+        "disable_cuda_graph": not graphs,
+        "max_running_requests": MAX_RUNNING_REQUESTS,
     }
+    return EngineSpec.plugin(
+        1,
+        max_total_tokens=GPU_POOL_TOKENS,
+        engine_args=gpu,
+        **capture_policy("rkv"),
+        pass_graph_pool_mib=GPU_PASS_GRAPH_POOL_MIB,
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU backends)")
+@pytest.mark.parametrize("backend", list(GPU_BACKENDS))
+def test_gpu_backend_captures_queries_inside_cuda_graph_replays(engines, prompts, backend):
+    """On a GPU backend, decode runs as CUDA-graph replays, where no Python hook runs:
+    the ring still gets each step's queries (the copy is in the graph), so ``rkv``
+    generates the same tokens with graphs as without, and the backend is SGLang's."""
     outputs = {}
     for graphs in (True, False):
-        spec = EngineSpec.plugin(
-            1,
-            max_total_tokens=GPU_POOL_TOKENS,
-            engine_args={
-                **gpu,
-                "disable_cuda_graph": not graphs,
-                "max_running_requests": MAX_RUNNING_REQUESTS,
-            },
-            **capture_policy("rkv"),
-            pass_graph_pool_mib=GPU_PASS_GRAPH_POOL_MIB,
-        )
-        engine = engines.get(spec)
+        engine = engines.get(gpu_capture_spec(backend, graphs))
         mark = engine.mark()
         (out,) = engine.generate(prompts[:1], greedy(NEW_TOKENS))  # batch of one: no padding
         assert engine.pass_records(mark), "no pass ran"
-        assert engine.plugin_state()["query_capture"]["attention_backend"] == backend_class
+        capture = engine.plugin_state()["query_capture"]
+        assert capture["attention_backend"] == GPU_BACKENDS[backend]
         outputs[graphs] = out["output_ids"]
     assert outputs[True] == outputs[False]

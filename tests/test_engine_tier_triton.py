@@ -77,22 +77,17 @@ def test_the_tier_merged_with_tritons_split_kv_decode_equals_the_reference_loop(
     )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
-def test_the_tier_merges_inside_cuda_graph_replays_on_a_gpu(engines, engine_model):
-    """On a GPU, decode runs as CUDA-graph replays, where no Python hook runs: the merge
-    recorded at capture (the tier's Triton kernel, ``split_kv_lse`` over stage 1's
-    buffers, the merge) must read each replay's rows and groups. A 3-bit tier in bf16:
-    graphs on generate what graphs off generate, and not what eviction alone does with
-    the same budget (so the replays did attend the tier)."""
+def gpu_tier_specs() -> dict[str, EngineSpec]:
+    """The GPU test's engines, by label: the tier with SGLang's decode CUDA graphs, the
+    tier without them, and eviction alone (graphs on) as the control.
+    ``tests/test_gpu_preflight.py`` checks on CPU that each would start."""
     from sglang_evict.engine_model import ensure_engine_model
-    from sglang_evict.request_policy import report_of
 
-    model = ensure_engine_model(variant="head_dim64")
-    prompts = shared_system_prompts(engine_model)[:2]  # a batch of two: no padded rows
     gpu = {
-        "model_path": str(model),
+        "model_path": str(ensure_engine_model(variant="head_dim64")),
         "device": "cuda",
         "attention_backend": "triton",
+        "model_impl": "auto",  # SGLang's own Llama, as a server on a GPU runs
         "dtype": "bfloat16",
         "max_running_requests": 4,
         "cuda_graph_max_bs_decode": 4,
@@ -101,28 +96,36 @@ def test_the_tier_merges_inside_cuda_graph_replays_on_a_gpu(engines, engine_mode
     # triton with the tier is refused on a GPU until this test passes there
     # (``server_args.TIER_BACKENDS_CPU_ONLY``): the trial switch starts it anyway.
     trial = {TIER_GPU_TRIAL_ENV: "1"}
+    tier = policy_fields(tier_bits=3, **TIER)
+    # the control evicts as the tier's passes do: eagerly (no pass graphs, no pool)
+    alone = policy_fields(**TIER, pass_cuda_graph=False)
+    return {
+        "graphs": EngineSpec.plugin(1, engine_args=gpu, env=trial, **tier),
+        "eager": EngineSpec.plugin(
+            1, engine_args={**gpu, "disable_cuda_graph": True}, env=trial, **tier
+        ),
+        "no tier": EngineSpec.plugin(1, engine_args=gpu, **alone),
+    }
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
+def test_the_tier_merges_inside_cuda_graph_replays_on_a_gpu(engines, engine_model):
+    """On a GPU, decode runs as CUDA-graph replays, where no Python hook runs: the merge
+    recorded at capture (the tier's Triton kernel, ``split_kv_lse`` over stage 1's
+    buffers, the merge) must read each replay's rows and groups. A 3-bit tier in bf16:
+    graphs on generate what graphs off generate, and not what eviction alone does with
+    the same budget (so the replays did attend the tier)."""
+    from sglang_evict.request_policy import report_of
+
+    prompts = shared_system_prompts(engine_model)[:2]  # a batch of two: no padded rows
     outputs, tiers = {}, {}
-    for label, graphs, tier_bits in (
-        ("graphs", True, 3),
-        ("eager", False, 3),
-        ("no tier", True, None),
-    ):
-        # the control evicts as the tier's passes do: eagerly (no pass graphs, no pool)
-        policy = (
-            policy_fields(**TIER, pass_cuda_graph=False)
-            if tier_bits is None
-            else policy_fields(tier_bits=tier_bits, **TIER)
-        )
-        engine = engines.get(
-            EngineSpec.plugin(
-                1, engine_args={**gpu, "disable_cuda_graph": not graphs}, env=trial, **policy
-            )
-        )
+    for label, spec in gpu_tier_specs().items():
+        engine = engines.get(spec)
         mark = engine.mark()
         outs = engine.generate(prompts, greedy(NEW_TOKENS))
         outputs[label] = [o["output_ids"] for o in outs]
         assert engine.pass_records(mark), f"{label}: no pass ran"
-        if tier_bits is not None:
+        if spec.policy().get("tier_bits") is not None:
             held = [report_of(o["meta_info"])["tier_tokens_held"] for o in outs]
             assert all(h > 0 for h in held), f"{label}: a request held no tier: {held}"
             tier = engine.plugin_state()["tier"]

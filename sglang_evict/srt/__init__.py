@@ -41,6 +41,8 @@ what differs between the two is in ``versioned``, nowhere else. Everything else 
                     the idle check, the per-pass log line     state, idle check)
     engine_runner   SGLang's engine in a child process of     sglang.Engine
                     its own, its log read (tests, demo)
+    preflight       whether an engine would start, checked    ServerArgs, ModelConfig,
+                    without starting it (GPU checks on CPU)   the pool hooks above
 
 A new surface gets its own module here.
 """
@@ -113,10 +115,8 @@ def install() -> None:
         HOOK_ATTENTION_FORWARD,
         HOOK_RESOLVE_POOL,
         _after_alloc_memory_pool,
-        _after_resolve_memory_pool_config,
         _before_attention_forward,
     )
-    from sglang_evict.srt.graph_pool import _after_resolve_memory_pool_config_graph_pool
     from sglang_evict.srt.hooks import (
         HOOK_FORWARD_BATCH_INIT,
         HOOK_PREPARE_FOR_DECODE,
@@ -138,7 +138,6 @@ def install() -> None:
     from sglang_evict.srt.server_args import BACKEND_NAME
     from sglang_evict.srt.tier import _after_alloc_memory_pool as _after_alloc_tier
     from sglang_evict.srt.tier import _after_attention_forward
-    from sglang_evict.srt.tier import _after_resolve_memory_pool_config as _after_resolve_tier
 
     if BACKEND_NAME in registered_radix_cache_backends():
         return
@@ -149,11 +148,8 @@ def install() -> None:
     HookRegistry.register(HOOK_ON_IDLE, _after_on_idle, HookType.AFTER)
     HookRegistry.register(HOOK_VALIDATE_REQUEST, _after_validate_one_request, HookType.AFTER)
     HookRegistry.register(HOOK_ADD_REQUEST_TO_QUEUE, _before_add_request_to_queue, HookType.BEFORE)
-    HookRegistry.register(HOOK_RESOLVE_POOL, _after_resolve_memory_pool_config, HookType.AFTER)
-    HookRegistry.register(
-        HOOK_RESOLVE_POOL, _after_resolve_memory_pool_config_graph_pool, HookType.AFTER
-    )
-    HookRegistry.register(HOOK_RESOLVE_POOL, _after_resolve_tier, HookType.AFTER)
+    for hook in resolve_pool_hooks():
+        HookRegistry.register(HOOK_RESOLVE_POOL, hook, HookType.AFTER)
     HookRegistry.register(HOOK_ALLOC_POOL, _after_alloc_memory_pool, HookType.AFTER)
     HookRegistry.register(HOOK_ALLOC_POOL, _after_alloc_tier, HookType.AFTER)
     HookRegistry.register(HOOK_ATTENTION_FORWARD, _before_attention_forward, HookType.BEFORE)
@@ -161,3 +157,14 @@ def install() -> None:
     HookRegistry.register(HOOK_RUNNING_OFFSET, _after_running_offset, HookType.AFTER)
     HookRegistry.register(HOOK_ADD_ONE_REQ, _around_add_one_req, HookType.AROUND)
     HookRegistry.register(HOOK_CHECK_DECODE_MEM, _after_check_decode_mem, HookType.AFTER)
+
+
+def resolve_pool_hooks() -> tuple:
+    """The AFTER hooks on ``KVCacheConfigurator._resolve_memory_pool_config``, in the
+    order they run: each takes its reservation out of the KV pool the one before left
+    (the query ring, the pass graphs' pool, the tier's arena)."""
+    from sglang_evict.srt.capture import _after_resolve_memory_pool_config as capture
+    from sglang_evict.srt.graph_pool import _after_resolve_memory_pool_config_graph_pool
+    from sglang_evict.srt.tier import _after_resolve_memory_pool_config as tier
+
+    return (capture, _after_resolve_memory_pool_config_graph_pool, tier)

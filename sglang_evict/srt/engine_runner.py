@@ -158,7 +158,7 @@ class EngineProcess:
             self.engine_kwargs["radix_cache_backend"] = BACKEND_NAME
         self.policy_json = None
         if policy is not None:
-            self.policy_json = policy if isinstance(policy, str) else _policy_json(policy)
+            self.policy_json = policy if isinstance(policy, str) else policy_json_of(policy)
         if log_path is None:
             log_path = tempfile.mkstemp(prefix="sglang-engine-", suffix=".log")[1]
         self.log_path = Path(log_path)
@@ -370,7 +370,11 @@ class EngineProcess:
         return "\n--- engine log (last lines) ---\n" + "\n".join(lines)
 
 
-def _policy_json(policy) -> str:
+def policy_json_of(policy) -> str:
+    """The policy as the engine's environment carries it: an ``EvictionConfig``, a dict
+    of its fields or their JSON."""
+    if isinstance(policy, str):
+        return policy
     if isinstance(policy, dict):
         return json.dumps(policy, sort_keys=True)
     return policy.to_json()

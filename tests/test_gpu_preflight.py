@@ -1,0 +1,80 @@
+"""The engines the GPU checks start would start: checked here, on CPU, where CI runs,
+before a lent GPU spends minutes finding out (``sglang_evict.srt.preflight``).
+
+On 2026-11-28 an H200 lease lost both of its calls to engines that failed at start: an
+argument SGLang 0.5.17 does not have (``cuda_graph_max_bs``), then a pass-graph pool
+reserved for a tier server at a 4,096-token pool. The preflight finds both (the last
+test), and every GPU test's and the GPU bench's engine passes it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_evict.srt.versioned import IS_0_5_23
+from tests.engine_harness import (
+    ENGINE_TIER,
+    EngineSpec,
+    engine_env_of,
+    engine_kwargs_of,
+    policy_fields,
+)
+from tests.test_benches import load
+from tests.test_engine_capture import GPU_BACKENDS, gpu_capture_spec
+from tests.test_engine_tier_triton import gpu_tier_specs
+
+# The GPU machine runs SGLang 0.5.17, and the pool's check follows its configurator.
+pytestmark = pytest.mark.skipif(IS_0_5_23, reason="the lent GPU runs SGLang 0.5.17")
+
+
+def problems_of(spec: EngineSpec) -> list[str]:
+    from sglang_evict.srt.preflight import preflight
+
+    return preflight(engine_kwargs_of(spec, None), spec.policy_json, engine_env_of(spec))
+
+
+def test_the_gpu_tests_engines_would_start():
+    specs = dict(gpu_tier_specs())
+    for backend in GPU_BACKENDS:
+        for graphs in (True, False):
+            specs[f"capture {backend} graphs={graphs}"] = gpu_capture_spec(backend, graphs)
+    found = {label: problems_of(spec) for label, spec in specs.items()}
+    assert all(not p for p in found.values()), found
+
+
+def test_the_gpu_benchs_engines_would_start(tmp_path):
+    """``scripts/gpu_check.sh``'s engine bench, every mode it runs (``engine``'s and
+    ``tier``'s defaults), on the bench's own flag: no engine starts."""
+    from sglang_evict.engine_model import ensure_engine_model
+
+    bench = load("engine_eviction")
+    model = str(ensure_engine_model(variant="head_dim64"))
+    modes = "plain,off,on:1+graph,on:auto+graph,on+tier"
+    argv = ["--model", model, "--modes", modes, "--paired", "--preflight"]
+    assert bench.main([*argv, "--out", str(tmp_path / "x.json")]) == 0
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def test_preflight_finds_what_stopped_the_gpu_engines(engine_model):
+    tier_gpu = gpu_tier_specs()["graphs"]
+    engine_args = json.loads(tier_gpu.engine_json)
+    # an argument this SGLang does not have
+    bad_argument = EngineSpec.plugin(
+        1,
+        engine_args={**engine_args, "cuda_graph_max_bs": 4},
+        env=json.loads(tier_gpu.env_json),
+        **tier_gpu.policy(),
+    )
+    (problem,) = problems_of(bad_argument)
+    assert "cuda_graph_max_bs" in problem
+    # a reservation the pool cannot hold: the pass graphs' 256 MiB at 4,096 tokens
+    replaying = EngineSpec.plugin(1, engine_args=engine_args, **policy_fields(**ENGINE_TIER))
+    (problem,) = problems_of(replaying)
+    assert "--kv-pass-graph-pool-mib 256" in problem and "holds 4096" in problem
+    # the tier with triton on a GPU without the trial switch
+    untried = EngineSpec.plugin(1, engine_args=engine_args, **tier_gpu.policy())
+    (problem,) = problems_of(untried)
+    assert "--attention-backend triton on cuda" in problem
+    # plain SGLang: SGLang's arguments only
+    assert problems_of(EngineSpec.plain(engine_args=engine_args)) == []
