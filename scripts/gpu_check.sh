@@ -33,6 +33,26 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+# Triton's compiled kernels, carried from one lease to the next: a fresh machine spent
+# 64-75 s compiling inside its first engine's graph capture (2026-11-28). Triton keys
+# each entry by its source, options, Triton version and GPU architecture, so an entry
+# from another card or release is never used. The run leaves the cache in
+# $out/gpu_triton_cache.tgz; carry it back as .gpu_triton_cache.tgz (git ignores it).
+triton_cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -f .gpu_triton_cache.tgz ]; then
+  mkdir -p "$triton_cache" && tar -xzf .gpu_triton_cache.tgz -C "$triton_cache" \
+    && echo "Triton cache restored: $(du -sh "$triton_cache" | cut -f1)"
+fi
+save_triton_cache() {
+  [ -d "$triton_cache" ] || return 0
+  tar -czf "$out/gpu_triton_cache.tgz" -C "$triton_cache" . 2>/dev/null
+  local mib=$(( $(stat -c %s "$out/gpu_triton_cache.tgz") / 1048576 ))
+  if [ "$mib" -gt "${TRITON_CACHE_MAX_MIB:-40}" ]; then  # a carry holds 64 MiB in all
+    rm -f "$out/gpu_triton_cache.tgz"
+    echo "Triton cache not kept: $mib MiB (TRITON_CACHE_MAX_MIB)"
+  fi
+}
+trap save_triton_cache EXIT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, sglang; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__)"
 
