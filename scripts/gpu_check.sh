@@ -71,9 +71,10 @@ capture)
     2>&1 | tee "$out/pytest_gpu_engine.log"
   ;;
 tier)
-  # The tier's merge recorded into SGLang's decode CUDA graphs: graphs on = graphs off,
-  # and not what eviction alone generates.
+  # The tier's passes on CUDA = on CPU (no engine); its merge recorded into SGLang's
+  # decode CUDA graphs: graphs on = graphs off, and not what eviction alone generates.
   timeout "${TIER_TESTS_TIMEOUT_S:-300}" python3 -m pytest -q -p no:cacheprovider -n 0 -ra \
+    "tests/test_tier_mechanism.py::test_tier_passes_on_a_gpu_equal_the_cpus" \
     "tests/test_engine_tier_triton.py::test_the_tier_merges_inside_cuda_graph_replays_on_a_gpu" \
     2>&1 | tee "$out/pytest_gpu_tier.log"
   # Its decode step: plain SGLang in one engine, the tier (3 bits, eager passes) in
@@ -98,6 +99,7 @@ tests)
   timeout "${TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadgroup -ra \
     tests/test_kernels_tier.py tests/test_kernels_repack.py tests/test_kernels_scoring.py tests/test_batch_pass_hooks.py \
     tests/test_query_capture.py tests/test_compactor_service.py tests/test_static_shape_pass.py \
+    "tests/test_tier_mechanism.py::test_tier_passes_on_a_gpu_equal_the_cpus" \
     2>&1 | tee "$out/pytest_gpu.log"
   # SGLang's GPU attention backends with query capture inside CUDA-graph replays.
   [ "${ENGINE_TESTS_TIMEOUT_S:-300}" = 0 ] || timeout "${ENGINE_TESTS_TIMEOUT_S:-300}" python3 -m pytest -q -p no:cacheprovider -n 0 -ra \

@@ -390,3 +390,111 @@ def test_a_tier_bound_on_a_server_without_a_tier_is_refused(model):
     driver = driver_for(model, 16, config)
     with pytest.raises(RequestPolicyError, match="runs no quantized tier"):
         driver.admit("a", PROMPT, custom_params={"sglang_evict": {"tier_tokens": 32}})
+
+
+class TierPassRun:
+    """A manager, its pool and its tier arena on ``device``, built from the same seeded
+    CPU tensors whatever the device (head dim 64, 2 KV heads, 3 layers: the third with
+    outlier tokens), and four requests that keep growing past their budget and tier."""
+
+    ROWS, CAPACITY, LAYERS, KV_HEADS, HEAD_DIM = 4, 512, 3, 2, 64
+
+    def __init__(self, device: str, compaction: str) -> None:
+        from sglang_evict.passes.manager import EvictionManager
+        from sglang_evict.passes.tensor_pool import TensorPool
+        from sglang_evict.tier.arena import TierArena
+
+        config = tier_config(
+            16, 3, scorer="streaming", compaction=compaction, tier_outlier_tokens=1
+        )
+        slots = (self.ROWS * self.CAPACITY // 16 + 16) * 16
+        g = torch.Generator().manual_seed(11)
+
+        def buffer():
+            return torch.randn(slots, self.KV_HEADS, self.HEAD_DIM, generator=g).to(device)
+
+        self.pool = TensorPool(
+            k_buffers=[buffer() for _ in range(self.LAYERS)],
+            v_buffers=[buffer() for _ in range(self.LAYERS)],
+            page_size=16,
+            rows=self.ROWS,
+            capacity=self.CAPACITY,
+        )
+        self.manager = EvictionManager(
+            config=config,
+            pool=self.pool,
+            compactor=None,
+            num_request_rows=self.ROWS,
+            row_capacity=self.CAPACITY,
+            device=device,
+            static_shapes=True,
+        )
+        arena = TierArena(
+            self.manager.tier_policy.fmt,
+            num_groups=self.ROWS * 4 - 2,  # short by two: a pass may find it full
+            num_layers=self.LAYERS,
+            kv_heads=self.KV_HEADS,
+            full_dtype=DTYPE,
+            device=device,
+        )
+        arena.enable_rows(self.ROWS, config.tier_max_tokens // config.tier_group_tokens)
+        self.manager.tier_arena = arena
+        self.lengths = {f"r{r}": 0 for r in range(self.ROWS)}
+        for r, rid in enumerate(self.lengths):
+            self.grow(rid, r, 48 + 24 + 8 * r)
+
+    def grow(self, rid: str, row: int, count: int) -> None:
+        from tests.test_static_shape_pass import append_tokens
+
+        append_tokens(self.pool, row, self.lengths[rid], count)
+        self.lengths[rid] += count
+
+    def step(self) -> list[tuple]:
+        from sglang_evict.passes.manager import DueRequest
+
+        due = [DueRequest(rid, r, n, 0, 16) for r, (rid, n) in enumerate(self.lengths.items())]
+        results = self.manager.run_batch_pass(due)
+        for r, rid in enumerate(self.lengths):
+            self.lengths[rid] = next(x.tokens_after for x in results if x.rid == rid)
+            self.manager.check_request(rid, self.lengths[rid])
+            self.grow(rid, r, 40)
+        return [
+            (x.rid, x.tokens_after, x.tokens_demoted, x.tokens_dropped, x.pages_freed)
+            for x in results
+        ]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        arena, pool = self.manager.tier_arena, self.pool
+        found = {"free pages": pool.free, "row table": arena.row_table}
+        found["row counts"] = arena.row_counts
+        found["group scores"] = arena.scores
+        for rid, n in self.lengths.items():
+            row = self.manager.states[rid].req_pool_idx
+            found[f"{rid} slots"] = pool.req_to_token[row, :n]
+            found[f"{rid} positions"] = self.manager.positions(rid, n)
+        for layer in range(self.LAYERS):
+            found[f"layer {layer} K"] = pool.k_buffers[layer]
+            found[f"layer {layer} V"] = pool.v_buffers[layer]
+            for i, t in enumerate(arena.stores[layer].kernel_args()):
+                found[f"layer {layer} store {i}"] = t
+        return {name: t.cpu() for name, t in found.items()}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compaction", ["hole_fill", "repack"])
+def test_tier_passes_on_a_gpu_equal_the_cpus(compaction):
+    """The tier's part of a pass on CUDA (the Triton quantize-and-pack, the groups given
+    up chosen on the device, the row tables) leaves the pool, the arena and the results
+    bit for bit as the CPU's reference path does. ``streaming`` scores positions, so no
+    near-tie of float scores can split the two."""
+    runs = {device: TierPassRun(device, compaction) for device in ("cpu", "cuda")}
+    dropped = 0
+    for _ in range(4):
+        results = {device: run.step() for device, run in runs.items()}
+        assert results["cuda"] == results["cpu"]
+        dropped += sum(r[3] for r in results["cpu"])
+        on_cpu, on_gpu = (run.tensors() for run in runs.values())
+        differ = [name for name in on_cpu if not torch.equal(on_cpu[name], on_gpu[name])]
+        assert not differ, differ
+    runs["cuda"].manager.tier_arena.check(4)  # tier_max_tokens / tier_group_tokens
+    assert dropped > 0  # tiers filled and gave groups up
