@@ -85,11 +85,13 @@ tier)
   fi
   logs=$(mktemp -d)
   # shellcheck disable=SC2086
-  python3 benches/engine_eviction.py --model "$model" ${TIER_ENGINE_ARGS:---modes plain,on+tier} \
-    --preflight 2>&1 | tee "$out/engine_tier_preflight.txt" || exit 1
-  timeout "${TIER_ENGINE_TIMEOUT_S:-300}" python3 benches/engine_eviction.py --model "$model" \
-    --out "$logs/engine_tier.json" ${TIER_ENGINE_ARGS:---modes plain,on+tier --repeats 3 --paired} \
-    2>&1 | tee "$out/engine_tier.txt"
+  # no engine starts unless every mode's would (a failed preflight skips the bench)
+  if python3 benches/engine_eviction.py --model "$model" ${TIER_ENGINE_ARGS:---modes plain,on+tier} \
+    --preflight 2>&1 | tee "$out/engine_tier_preflight.txt"; then
+    timeout "${TIER_ENGINE_TIMEOUT_S:-300}" python3 benches/engine_eviction.py --model "$model" \
+      --out "$logs/engine_tier.json" ${TIER_ENGINE_ARGS:---modes plain,on+tier --repeats 3 --paired} \
+      2>&1 | tee "$out/engine_tier.txt"
+  fi
   cp "$logs/engine_tier.json" "$out/" 2>/dev/null
   tar -C "$logs" -czf "$out/engine_tier-logs.tar.gz" .
   ;;
@@ -132,11 +134,14 @@ engine)
   name=${NAME:-engine_eviction}
   logs=$(mktemp -d)
   # shellcheck disable=SC2086
-  python3 benches/engine_eviction.py --model "$model" \
+  # no engine starts unless every mode's would (a failed preflight skips the bench)
+  if python3 benches/engine_eviction.py --model "$model" \
     ${ENGINE_ARGS:---modes off,on:1+graph,on:auto+graph --repeats 2 --paired} --preflight 2>&1 \
-    | tee "$out/${name}_preflight.txt" || exit 1
-  timeout "${ENGINE_TIMEOUT_S:-540}" python3 benches/engine_eviction.py --model "$model" \
-    --out "$logs/$name.json" ${ENGINE_ARGS:---modes off,on:1+graph,on:auto+graph --repeats 2 --paired} 2>&1 | tee "$out/$name.txt"
+    | tee "$out/${name}_preflight.txt"; then
+    timeout "${ENGINE_TIMEOUT_S:-540}" python3 benches/engine_eviction.py --model "$model" \
+      --out "$logs/$name.json" ${ENGINE_ARGS:---modes off,on:1+graph,on:auto+graph --repeats 2 --paired} \
+      2>&1 | tee "$out/$name.txt"
+  fi
   cp "$logs/$name.json" "$out/" 2>/dev/null
   tar -C "$logs" -czf "$out/$name-logs.tar.gz" .
   ;;
