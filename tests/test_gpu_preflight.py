@@ -78,3 +78,15 @@ def test_preflight_finds_what_stopped_the_gpu_engines(engine_model):
     assert "--attention-backend triton on cuda" in problem
     # plain SGLang: SGLang's arguments only
     assert problems_of(EngineSpec.plain(engine_args=engine_args)) == []
+
+
+def test_preflight_names_a_model_it_cannot_read_and_an_fp8_pool_it_sizes(tmp_path):
+    from sglang_evict.srt.preflight import preflight
+
+    policy = policy_fields(pass_cuda_graph=False)
+    missing = {"model_path": str(tmp_path / "none"), "device": "cuda", "max_total_tokens": 4096}
+    (problem,) = preflight(missing, policy)
+    assert str(tmp_path / "none") in problem
+    spec = gpu_tier_specs()["no tier"]
+    fp8 = {**engine_kwargs_of(spec, None), "kv_cache_dtype": "fp8_e4m3"}
+    assert preflight(fp8, spec.policy_json, engine_env_of(spec)) == []

@@ -76,7 +76,10 @@ def _plugin_problems(server_args) -> list[str]:
         config = config_from_env(page_size)
     except ValueError as error:
         return [f"the policy: {error}"]
-    model_config = ModelConfig.from_server_args(server_args)
+    try:
+        model_config = ModelConfig.from_server_args(server_args)
+    except Exception as error:  # SGLang's own errors for a model it cannot read
+        return [f"the model {server_args.model_path}: {type(error).__name__}: {error}"]
     facts = model_facts(model_config, is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False)
     problems = startup_problems(server_args, config, facts)
     if problems or server_args.max_total_tokens is None or IS_0_5_23:
@@ -93,6 +96,8 @@ def _pool_problems(server_args, model_config, page_size: int) -> list[str]:
 
     kv_dtype = server_args.kv_cache_dtype
     kv_cache_dtype = model_config.dtype if kv_dtype in (None, "auto") else _dtype(kv_dtype)
+    if kv_cache_dtype is None:
+        return [f"preflight cannot size a KV pool of --kv-cache-dtype {kv_dtype}"]
     configurator = SimpleNamespace(
         server_args=server_args,
         page_size=page_size,
@@ -111,7 +116,7 @@ def _pool_problems(server_args, model_config, page_size: int) -> list[str]:
     )
     saved = (capture.STATE.plan, tier.STATE.plan)
     try:
-        with torch.device("cpu"):
+        with torch.device("cpu"):  # whatever the hooks make stays off the named device
             for hook in resolve_pool_hooks():
                 pool_config = hook(pool_config, configurator)
     except ValueError as error:
@@ -122,7 +127,16 @@ def _pool_problems(server_args, model_config, page_size: int) -> list[str]:
 
 
 def _dtype(name: str):
+    """The torch dtype of a ``--kv-cache-dtype`` name, or None when not known here."""
     import torch
 
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
-    return getattr(torch, aliases.get(name, name))
+    aliases = {
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "fp32": "float32",
+        "fp8_e4m3": "float8_e4m3fn",
+        "fp8_e5m2": "float8_e5m2",
+    }
+    dtype = getattr(torch, aliases.get(name, name), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
