@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
@@ -307,13 +308,18 @@ def _percentile(values: list[float], q: float) -> float:
 
 def preflight_modes(args: argparse.Namespace, modes: list[str]) -> int:
     """``--preflight``: each mode's problems, one line each; 1 when any mode has one."""
+    from sglang_evict.srt.engine_runner import EngineProcess
     from sglang_evict.srt.preflight import preflight
 
     failed = 0
     for mode in modes:
-        problems = preflight(
-            engine_kwargs(args), policy_for(args, mode), engine_env_for(args, mode)
+        engine = EngineProcess(
+            engine_kwargs(args),
+            policy=policy_for(args, mode),
+            log_path=os.devnull,  # never started
+            env=engine_env_for(args, mode),
         )
+        problems = preflight(engine)
         print(f"{mode}: {'would start' if not problems else '; '.join(problems)}")
         failed += bool(problems)
     return 1 if failed else 0

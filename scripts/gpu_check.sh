@@ -84,8 +84,8 @@ tier)
     python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-} || exit 1
   fi
   logs=$(mktemp -d)
-  # shellcheck disable=SC2086
   # no engine starts unless every mode's would (a failed preflight skips the bench)
+  # shellcheck disable=SC2086
   if python3 benches/engine_eviction.py --model "$model" ${TIER_ENGINE_ARGS:---modes plain,on+tier} \
     --preflight 2>&1 | tee "$out/engine_tier_preflight.txt"; then
     timeout "${TIER_ENGINE_TIMEOUT_S:-300}" python3 benches/engine_eviction.py --model "$model" \
@@ -133,8 +133,8 @@ engine)
   fi
   name=${NAME:-engine_eviction}
   logs=$(mktemp -d)
-  # shellcheck disable=SC2086
   # no engine starts unless every mode's would (a failed preflight skips the bench)
+  # shellcheck disable=SC2086
   if python3 benches/engine_eviction.py --model "$model" \
     ${ENGINE_ARGS:---modes off,on:1+graph,on:auto+graph --repeats 2 --paired} --preflight 2>&1 \
     | tee "$out/${name}_preflight.txt"; then

@@ -121,21 +121,19 @@ class EngineSpec:
         return f"{kind}-page{self.page_size}{overlap}-pool{self.max_total_tokens}{extra}"
 
 
-def engine_kwargs_of(spec: EngineSpec, model_path) -> dict:
-    """The ``sglang.Engine`` arguments ``spec`` starts with (``model_path`` unless the
-    spec names its own)."""
+def engine_process_of(spec: EngineSpec, model_path, log_path) -> EngineProcess:
+    """The engine ``spec`` describes, not started (``model_path`` unless the spec names
+    its own)."""
     extra = json.loads(spec.engine_json)
-    return cpu_engine_kwargs(
+    kwargs = cpu_engine_kwargs(
         extra.pop("model_path", model_path),
         page_size=spec.page_size,
         max_total_tokens=spec.max_total_tokens,
         disable_overlap_schedule=not spec.overlap,
         **extra,
     )
-
-
-def engine_env_of(spec: EngineSpec) -> dict:
-    return {**ENGINE_THREADS, **json.loads(spec.env_json)}
+    env = {**ENGINE_THREADS, **json.loads(spec.env_json)}
+    return EngineProcess(kwargs, policy=spec.policy_json, env=env, log_path=log_path)
 
 
 @dataclass(frozen=True)
@@ -208,12 +206,8 @@ class EngineRegistry:
         engine = self._reuse(spec)
         if engine is not None:
             return engine
-        engine = EngineProcess(
-            engine_kwargs_of(spec, self.model_path),
-            policy=spec.policy_json,
-            env=engine_env_of(spec),
-            log_path=self.log_dir / f"{spec.label()}-{time.monotonic_ns()}.log",
-        ).start()
+        log_path = self.log_dir / f"{spec.label()}-{time.monotonic_ns()}.log"
+        engine = engine_process_of(spec, self.model_path, log_path).start()
         self.start_times_s.append((spec.label(), round(engine.start_s, 1)))
         self.live[spec] = engine
         return engine

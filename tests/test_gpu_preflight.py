@@ -9,6 +9,7 @@ test), and every GPU test's and the GPU bench's engine passes it."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -16,8 +17,7 @@ from sglang_evict.srt.versioned import IS_0_5_23
 from tests.engine_harness import (
     ENGINE_TIER,
     EngineSpec,
-    engine_env_of,
-    engine_kwargs_of,
+    engine_process_of,
     policy_fields,
 )
 from tests.test_benches import load
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(IS_0_5_23, reason="the lent GPU runs SGLang 0.5.
 def problems_of(spec: EngineSpec) -> list[str]:
     from sglang_evict.srt.preflight import preflight
 
-    return preflight(engine_kwargs_of(spec, None), spec.policy_json, engine_env_of(spec))
+    return preflight(engine_process_of(spec, None, os.devnull))
 
 
 def test_the_gpu_tests_engines_would_start():
@@ -81,12 +81,14 @@ def test_preflight_finds_what_stopped_the_gpu_engines(engine_model):
 
 
 def test_preflight_names_a_model_it_cannot_read_and_an_fp8_pool_it_sizes(tmp_path):
-    from sglang_evict.srt.preflight import preflight
-
-    policy = policy_fields(pass_cuda_graph=False)
-    missing = {"model_path": str(tmp_path / "none"), "device": "cuda", "max_total_tokens": 4096}
-    (problem,) = preflight(missing, policy)
-    assert str(tmp_path / "none") in problem
     spec = gpu_tier_specs()["no tier"]
-    fp8 = {**engine_kwargs_of(spec, None), "kv_cache_dtype": "fp8_e4m3"}
-    assert preflight(fp8, spec.policy_json, engine_env_of(spec)) == []
+    engine_args = json.loads(spec.engine_json)
+    missing = EngineSpec.plugin(
+        1, engine_args={**engine_args, "model_path": str(tmp_path / "none")}, **spec.policy()
+    )
+    (problem,) = problems_of(missing)
+    assert str(tmp_path / "none") in problem
+    fp8 = EngineSpec.plugin(
+        1, engine_args={**engine_args, "kv_cache_dtype": "fp8_e4m3"}, **spec.policy()
+    )
+    assert problems_of(fp8) == []

@@ -149,16 +149,14 @@ class EngineProcess:
         self,
         engine_kwargs: dict,
         *,
-        policy=None,  # EvictionConfig, a dict of its fields, or None
+        policy=None,  # EvictionConfig, a dict of its fields, their JSON, or None
         log_path: str | os.PathLike | None = None,
         env: dict | None = None,
     ) -> None:
         self.engine_kwargs = dict(engine_kwargs)
         if policy is not None:
             self.engine_kwargs["radix_cache_backend"] = BACKEND_NAME
-        self.policy_json = None
-        if policy is not None:
-            self.policy_json = policy if isinstance(policy, str) else policy_json_of(policy)
+        self.policy_json = None if policy is None else _policy_json(policy)
         if log_path is None:
             log_path = tempfile.mkstemp(prefix="sglang-engine-", suffix=".log")[1]
         self.log_path = Path(log_path)
@@ -173,6 +171,16 @@ class EngineProcess:
         self.launch()
         return self.wait_ready()
 
+    def environment(self, base) -> dict[str, str]:
+        """The engine process's environment over ``base``: the extra variables, and the
+        policy in ``CONFIG_ENV`` (none inherited from ``base``)."""
+        env = {**base, **self.extra_env}
+        env.pop(CONFIG_ENV, None)
+        if self.policy_json is not None:
+            env[CONFIG_ENV] = self.policy_json
+        env.setdefault("SGLANG_EVICT_LOG_PASSES", "1")
+        return env
+
     def launch(self) -> None:
         """Start the host process without waiting (``wait_ready`` waits): two engines
         launched before either is waited for start side by side."""
@@ -180,11 +188,7 @@ class EngineProcess:
         self._socket_path = os.path.join(directory, "engine.sock")
         self._authkey = secrets.token_bytes(16)
         self._listener = Listener(self._socket_path, family="AF_UNIX", authkey=self._authkey)
-        env = {**os.environ, **self.extra_env, _AUTHKEY_ENV: self._authkey.hex()}
-        env.pop(CONFIG_ENV, None)
-        if self.policy_json is not None:
-            env[CONFIG_ENV] = self.policy_json
-        env.setdefault("SGLANG_EVICT_LOG_PASSES", "1")
+        env = {**self.environment(os.environ), _AUTHKEY_ENV: self._authkey.hex()}
         self._log_file = open(self.log_path, "ab")  # closed in close()
         self._launched_at = time.monotonic()
         self.process = subprocess.Popen(
@@ -370,7 +374,7 @@ class EngineProcess:
         return "\n--- engine log (last lines) ---\n" + "\n".join(lines)
 
 
-def policy_json_of(policy) -> str:
+def _policy_json(policy) -> str:
     """The policy as the engine's environment carries it: an ``EvictionConfig``, a dict
     of its fields or their JSON."""
     if isinstance(policy, str):

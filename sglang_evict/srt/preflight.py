@@ -2,8 +2,9 @@
 device it names): a GPU is lent rarely and briefly, and an engine that fails at start
 there costs minutes of it.
 
-``preflight`` builds, from the same ``sglang.Engine`` arguments, policy and environment,
-what the server builds before it touches the device:
+``preflight`` builds, from an engine not started (``engine_runner.EngineProcess``: its
+``sglang.Engine`` arguments, policy and environment), what the server builds before it
+touches the device:
 
 1. SGLang's ``ServerArgs`` (an argument this release does not have fails here);
 2. the plugin's start-up refusals (``server_args.startup_problems``) for the model;
@@ -22,16 +23,16 @@ import os
 from contextlib import contextmanager
 from types import SimpleNamespace
 
-from sglang_evict.srt.server_args import BACKEND_NAME, CONFIG_ENV
 from sglang_evict.srt.versioned import IS_0_5_23
 
 
 @contextmanager
-def _environment(extra: dict[str, str]):
-    """``os.environ`` with ``extra`` set, restored whole afterwards (SGLang's argument
+def _environment(env: dict[str, str]):
+    """``os.environ`` replaced by ``env``, restored whole afterwards (SGLang's argument
     parsing writes to it)."""
     saved = dict(os.environ)
-    os.environ.update(extra)
+    os.environ.clear()
+    os.environ.update(env)
     try:
         yield
     finally:
@@ -39,29 +40,22 @@ def _environment(extra: dict[str, str]):
         os.environ.update(saved)
 
 
-def preflight(engine_kwargs: dict, policy=None, env: dict[str, str] | None = None) -> list[str]:
-    """Every reason these ``sglang.Engine`` arguments, with the plugin's policy (as
-    ``EngineProcess`` takes it: an ``EvictionConfig``, a dict of its fields or their
-    JSON; None: plain SGLang) and the engine's environment, would fail to start, one
-    line each; empty when none is found."""
+def preflight(engine) -> list[str]:
+    """Every reason ``engine`` (an ``engine_runner.EngineProcess`` not started: its
+    ``sglang.Engine`` arguments, policy and environment) would fail to start, one line
+    each; empty when none is found."""
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_evict.srt.engine_runner import policy_json_of
-
-    kwargs = dict(engine_kwargs)
+    kwargs = dict(engine.engine_kwargs)
     # unset, SGLang takes the machine's accelerator, which here may be none: the engine
     # checked is the GPU's
     kwargs.setdefault("device", "cuda")
-    extra_env = dict(env or {})
-    if policy is not None:
-        kwargs["radix_cache_backend"] = BACKEND_NAME
-        extra_env[CONFIG_ENV] = policy_json_of(policy)
-    with _environment(extra_env):
+    with _environment(engine.environment(os.environ)):
         try:
             server_args = ServerArgs(**kwargs)
         except Exception as error:  # what SGLang raises is its own: report any
             return [f"SGLang's ServerArgs refuses these arguments: {type(error).__name__}: {error}"]
-        if policy is None:
+        if engine.policy_json is None:
             return []
         return _plugin_problems(server_args)
 
