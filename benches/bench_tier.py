@@ -8,15 +8,17 @@ For each (bits, requests, groups per request) it times, on the same tensors:
                 the tier (reads the full-precision rows, writes codes and scales)
     attention   tier_attention_triton: one decode query per request and query head over
                 its tier groups (reads the packed bytes, scales and outlier rows), with
-                its defaults, then with each of VARIANTS' launch settings
+                its defaults, then with each of VARIANTS' launch settings and bodies
     copy        one contiguous device-to-device copy of the bytes the kernel reads
 
 and prints each kernel's bytes read per second as a ratio to the copy's (the variants'
-columns are ratios too). The goal (issue): attention >= 0.70 of the copy on its packed
-bytes. ``--smoke`` runs one tiny configuration on CPU (Triton's interpreter) to check
-the script; its figures mean nothing. Shapes (``--shape``): a Llama-8B layer (8 KV
-heads, 32 query heads, head dim 128) or SmolLM2-135M's (3, 9, 64); groups of 32
-tokens, 3 outlier tokens.
+columns are ratios too), and on a GPU each attention body's registers per thread, spilled
+registers and shared memory as Triton compiled them. The goal (issue): attention >= 0.70
+of the copy on its packed bytes. ``scripts/tier_kernel_sass.py`` reads the same bodies'
+machine code without a GPU. ``--smoke`` runs one tiny configuration on CPU (Triton's
+interpreter) to check the script; its figures mean nothing. Shapes (``--shape``): a
+Llama-8B layer (8 KV heads, 32 query heads, head dim 128) or SmolLM2-135M's (3, 9, 64);
+groups of 32 tokens, 3 outlier tokens.
 
     python3 benches/bench_tier.py [--shape smollm2]     # on the GPU machine
 """
@@ -40,14 +42,21 @@ SHAPES = {
     "llama8b": {"kv_heads": 8, "q_heads": 32, "head_dim": 128},
     "smollm2": {"kv_heads": 3, "q_heads": 9, "head_dim": 64},
 }
-# The attention kernel's launch settings besides its defaults (splits from the GPU's
-# size, NUM_WARPS): one split; 4 and 8 warps; replayed from a CUDA graph (no host work).
+# The attention kernel's launch settings besides its defaults (the `grouped` body,
+# splits from the GPU's size, NUM_WARPS): one split; 4 warps; replayed from a CUDA graph
+# (no host work); then the `lean` body (tier_attention.KERNELS) with its defaults, with
+# tf32 products, with 4 warps, and with 16 splits (8x the programs: does occupancy bind?).
 VARIANTS = {
     "1 split": {"splits": 1},
     "4 warps": {"num_warps": 4},
-    "8 warps": {"num_warps": 8},
     "graph": {"graph": True},
+    "lean": {"kernel": "lean"},
+    "lean tf32": {"kernel": "lean", "precision": "tf32"},
+    "lean w4": {"kernel": "lean", "num_warps": 4},
+    "lean s16": {"kernel": "lean", "splits": 16},
 }
+# Bodies whose compiled resources (registers, spills, shared memory) are printed.
+RESOURCES = {"grouped": {}, "lean": {"kernel": "lean"}}
 
 
 def timed_variant(fn, device: str, graph: bool) -> float:
@@ -115,7 +124,13 @@ def bench_one(bits: int, requests: int, groups: int, device: str, shape: dict) -
             lambda: flat_dst[:attention_bytes].copy_(flat[:attention_bytes]), device
         ),
     }
+    resources = {}
+    for name, kw in RESOURCES.items():
+        stats: dict = {}
+        tier_attention_triton(q, store, table, counts, fmt, stats=stats, **kw)
+        resources[name] = stats
     return {
+        "resources": resources,
         "quantize": quantize_bytes / seconds["quantize"],
         "attention": attention_bytes / seconds["attention"],
         "copy_quantize": quantize_bytes / seconds["copy_quantize"],
@@ -165,6 +180,14 @@ def main() -> None:
             f"{r['attention'] / r['copy_attention']:>11.2f}"
             + "".join(f"{r['variant ' + name]:>10.2f}" for name in VARIANTS)
         )
+        if any(r["resources"].values()):  # Triton reports them on a GPU, not the interpreter
+            print(
+                "      "
+                + "; ".join(
+                    f"{name}: " + ", ".join(f"{k} {v}" for k, v in stats.items())
+                    for name, stats in r["resources"].items()
+                )
+            )
         if device == "cuda":
             torch.cuda.empty_cache()
 

@@ -193,7 +193,7 @@ def test_merged_partial_attentions_equal_one_softmax_over_every_token(bits, page
 
 # --- the Triton kernels, held to the references (the interpreter on CPU) ------------
 
-from sglang_evict_kernels.tier_attention import tier_attention_triton  # noqa: E402
+from sglang_evict_kernels.tier_attention import KERNELS, tier_attention_triton  # noqa: E402
 from sglang_evict_kernels.tier_quant import (  # noqa: E402
     quantize_into_reference,
     quantize_into_triton,
@@ -274,10 +274,11 @@ def test_the_attention_kernel_returns_the_references_output_and_lse(bits, outlie
     torch.testing.assert_close(o_torch, o_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse_torch, lse_ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(o_torch[1], torch.zeros_like(o_torch[1]))
-    kernels = {  # the splits of a request's groups, merged by the second launch
-        f"{splits} splits": lambda splits=splits: tier_attention_triton(
-            *on_device, table, counts, fmt, splits=splits
+    kernels = {  # both bodies; the splits of a request's groups, merged by the second launch
+        f"{kernel}, {splits} splits": lambda splits=splits, kernel=kernel: tier_attention_triton(
+            *on_device, table, counts, fmt, splits=splits, kernel=kernel
         )
+        for kernel in KERNELS
         for splits in (1, 2, 4, None)
     }
     for name, kernel in kernels.items():
@@ -286,6 +287,20 @@ def test_the_attention_kernel_returns_the_references_output_and_lse(bits, outlie
         assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)), name  # the empty request
         torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5, msg=f"{name}: lse")
         assert torch.equal(o[1], torch.zeros_like(o[1])), name
+
+
+def test_the_lean_kernel_refuses_what_it_cannot_run_by_name():
+    fmt = TierFormat(bits=3, group_tokens=8, head_dim=64)
+    k, v = kv(2, fmt)
+    store = quantize_groups_reference(k, v, fmt)
+    table, counts = request_tables([1, 1], 2)
+    q = torch.zeros(2, 2, 64)
+    with pytest.raises(ValueError, match=r"at least 16 tokens.*kernel='grouped'"):
+        tier_attention_triton(q, store, table, counts, fmt, kernel="lean")
+    with pytest.raises(ValueError, match="precision 'fp8'"):
+        tier_attention_triton(q, store, table, counts, fmt, kernel="lean", precision="fp8")
+    with pytest.raises(ValueError, match="kernel 'fast'"):
+        tier_attention_triton(q, store, table, counts, fmt, kernel="fast")
 
 
 def test_a_store_the_kernels_cannot_index_is_refused():

@@ -16,7 +16,10 @@ exactly into the softmax over all tokens (the online-softmax merge):
 and computes the softmax in float32; ``tier_attention_triton`` reads the packed bytes,
 one program per (request, KV head, split of the request's groups): every query head of
 the KV head at once, groups streamed with an online softmax, the splits merged by a
-second launch (one split: no second launch).
+second launch (one split: no second launch). It has two bodies (``KERNELS``):
+``grouped``, measured on an H200 (the default), and ``lean``, the same program with
+two-dimensional tiles and ``tl.dot`` products, written after that measurement and not
+yet run on a GPU (``benches/bench_tier.py`` times both side by side).
 Queries ``[B, Hq, D]`` share KV heads in groups of ``Hq / H`` (GQA); a request's groups
 are the slots ``group_table[b, :num_groups[b]]``.
 """
@@ -155,6 +158,17 @@ def merge_attention_states(
 # Warps per program: 2 read the packed bytes fastest of 2, 4 and 8 on an H200
 # (benches/results/bench_tier_h200.txt, 2026-11-27; all far below the copy's rate).
 NUM_WARPS = 2
+# The attention kernel's bodies (tier_jit):
+#   grouped  codes unpacked through [G, D / 8, 4] byte tiles and reshapes, products as
+#            three-dimensional broadcasts; 0.08-0.13 of a copy's rate on an H200
+#   lean     every tile [G, D]: a code read from its own byte(s), a value's scale by
+#            index, both products tl.dot over the query heads padded to 16 (needs
+#            groups of 16 tokens or more); not yet run on a GPU
+KERNELS = ("grouped", "lean")
+# tl.dot's input precisions the lean body takes: "tf32x3" keeps float32's accuracy
+# (the reference's, to 1e-5) on tensor cores; "tf32" is faster and looser (~1e-3).
+LEAN_PRECISIONS = ("tf32x3", "tf32", "ieee")
+LEAN_MIN_GROUP_TOKENS = 16
 
 
 def _splits_for(programs: int, max_groups: int, device: torch.device) -> int:
@@ -175,13 +189,31 @@ def tier_attention_triton(
     sm_scale: float | None = None,
     splits: int | None = None,
     num_warps: int | None = None,
+    kernel: str = "grouped",
+    precision: str = "tf32x3",
+    stats: dict | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``tier_attention_reference``'s result from the packed bytes: one program per
     (request, KV head, split) reads each group once for all the KV head's query heads;
     with more than one split a second launch merges the splits. ``splits`` defaults to
-    ``_splits_for``'s choice; ``num_warps`` to ``NUM_WARPS``."""
+    ``_splits_for``'s choice; ``num_warps`` to ``NUM_WARPS``; ``kernel`` is one of
+    ``KERNELS`` (``precision``: the lean body's ``tl.dot`` input precision). A ``stats``
+    dict receives the compiled attention kernel's registers per thread, spilled
+    registers and shared memory where Triton reports them (a GPU; not the
+    interpreter)."""
     check_attention_inputs(q, store, group_table, num_groups, fmt)
     store.check_contiguous()
+    if kernel not in KERNELS:
+        raise ValueError(f"tier attention kernel {kernel!r}: one of {KERNELS}")
+    if kernel == "lean":
+        if precision not in LEAN_PRECISIONS:
+            raise ValueError(f"lean kernel precision {precision!r}: one of {LEAN_PRECISIONS}")
+        if fmt.group_tokens < LEAN_MIN_GROUP_TOKENS:
+            raise ValueError(
+                f"the lean tier attention kernel needs groups of at least "
+                f"{LEAN_MIN_GROUP_TOKENS} tokens (tl.dot); this tier's are "
+                f"{fmt.group_tokens}: use kernel='grouped'"
+            )
     sm_scale = 1.0 / math.sqrt(fmt.head_dim) if sm_scale is None else sm_scale
     b, hq, d = q.shape
     h = store.k_codes.shape[2]
@@ -197,7 +229,9 @@ def tier_attention_triton(
     lse_part = lse if s == 1 else torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
     from sglang_evict_kernels import tier_jit
 
-    tier_jit.attention_kernel[(b, h, s)](
+    body = tier_jit.attention_kernel if kernel == "grouped" else tier_jit.attention_lean_kernel
+    extra = {} if kernel == "grouped" else {"PRECISION": precision}
+    compiled = body[(b, h, s)](
         q.contiguous(),
         table,
         num_groups.to(torch.int32).contiguous(),
@@ -213,15 +247,32 @@ def tier_attention_triton(
         C=fmt.value_group_channels,
         BITS=fmt.bits,
         N_OUT=store.outliers,
-        QB=triton_pow2(hq // h),
+        QB=triton_pow2(hq // h) if kernel == "grouped" else max(16, triton_pow2(hq // h)),
         S=s,
         num_warps=NUM_WARPS if num_warps is None else num_warps,
+        **extra,
     )
+    if stats is not None:
+        stats.update(kernel_resources(compiled))
     if s > 1:
         tier_jit.merge_splits_kernel[(b * hq,)](
             o_part, lse_part, o, lse, S=s, SB=triton_pow2(s), D=d
         )
     return o, lse
+
+
+def kernel_resources(compiled) -> dict:
+    """Registers per thread, spilled registers and shared memory bytes of a compiled
+    Triton launch, those it reports (none under the interpreter)."""
+    found = {}
+    for name, value in (
+        ("registers", getattr(compiled, "n_regs", None)),
+        ("spills", getattr(compiled, "n_spills", None)),
+        ("shared_bytes", getattr(getattr(compiled, "metadata", None), "shared", None)),
+    ):
+        if isinstance(value, int):
+            found[name] = value
+    return found
 
 
 def triton_pow2(n: int) -> int:

@@ -251,3 +251,109 @@ def merge_splits_kernel(
     safe = tl.where(empty, 1.0, total)
     tl.store(o + r * D + d, tl.where(empty, 0.0, tl.sum(w[:, None] * parts, axis=0) / safe))
     tl.store(lse + r, tl.where(empty, float("-inf"), m_safe + tl.log(safe)))
+
+
+@triton.jit
+def attention_lean_kernel(
+    q,  # [B, Hq, D]
+    group_table,  # [B, W] int32
+    num_groups,  # [B] int32
+    k_codes,
+    k_scale,
+    k_zero,
+    v_codes,
+    v_scale,
+    v_zero,
+    out_index,
+    out_k,
+    out_v,
+    o,  # [B, Hq, S, D] float32: each split's partial attention
+    lse,  # [B, Hq, S] float32
+    sm_scale,
+    W,
+    HQ: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    N_OUT: tl.constexpr,
+    QB: tl.constexpr,  # query heads per KV head, padded to a power of two >= 16 (tl.dot)
+    S: tl.constexpr,  # splits of a request's groups
+    PRECISION: tl.constexpr,  # tl.dot's input_precision: "ieee", "tf32x3" or "tf32"
+):
+    """``attention_kernel``'s result with every tile two-dimensional ([G, D]): a
+    channel's code is read straight from its byte(s) of the row (a row is one
+    little-endian bit stream, code ``c`` at bit ``c * BITS``), a value's scale by its
+    (token, block) index, and both products are ``tl.dot`` (tensor cores; the query
+    heads padded to ``QB``). No reshape, no three-dimensional broadcast."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    QPK: tl.constexpr = HQ // H
+    P: tl.constexpr = D * BITS // 8
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    g = tl.arange(0, G)
+    d = tl.arange(0, D)
+    qh = tl.arange(0, QB)
+    q_ok = qh < QPK
+    heads = h * QPK + qh
+    query = (
+        tl.load(q + (b * HQ + heads)[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0).to(
+            tl.float32
+        )
+        * sm_scale
+    )  # [QB, D]
+    # Offsets within a group, the same for every group (int32, computed once): a
+    # channel's code starts in byte (c * BITS) // 8 of its token's row.
+    shift = (d * BITS) % 8
+    code_at = (g * (H * P))[:, None] + ((d * BITS) // 8)[None, :]  # [G, D]
+    spills = ((shift + BITS) > 8)[None, :] & (g >= 0)[:, None]  # into the next byte
+    block_at = (g * (H * (D // C)))[:, None] + (d // C)[None, :]  # [G, D]
+    m = tl.full([QB], float("-inf"), tl.float32)
+    total = tl.zeros([QB], dtype=tl.float32)
+    acc = tl.zeros([QB, D], dtype=tl.float32)
+    count = tl.load(num_groups + b)
+    per = tl.cdiv(count, S)
+    start = s * per
+    stop = tl.minimum(start + per, count)
+    for i in range(start, stop):
+        slot = tl.load(group_table + b * W + i).to(tl.int64)
+        k_at = k_codes + (slot * G * H + h) * P + code_at
+        v_at = v_codes + (slot * G * H + h) * P + code_at
+        kc = tl.load(k_at).to(tl.int32)
+        vc = tl.load(v_at).to(tl.int32)
+        if 8 % BITS != 0:  # 3 bits: some codes straddle two bytes
+            kc = kc | (tl.load(k_at + 1, mask=spills, other=0).to(tl.int32) << 8)
+            vc = vc | (tl.load(v_at + 1, mask=spills, other=0).to(tl.int32) << 8)
+        kc = (kc >> shift[None, :]) & LEVELS
+        vc = (vc >> shift[None, :]) & LEVELS
+        ks = tl.load(k_scale + (slot * H + h) * D + d).to(tl.float32)
+        kz = tl.load(k_zero + (slot * H + h) * D + d).to(tl.float32)
+        k = kc.to(tl.float32) * ks[None, :] + kz[None, :]  # [G, D]
+        v_base = (slot * G * H + h) * (D // C)
+        vs = tl.load(v_scale + v_base + block_at).to(tl.float32)
+        vz = tl.load(v_zero + v_base + block_at).to(tl.float32)
+        v = vc.to(tl.float32) * vs + vz  # [G, D]
+        for j in tl.static_range(N_OUT):
+            o_row = (slot * H + h) * N_OUT + j
+            at = tl.load(out_index + o_row).to(tl.int32)
+            here = (g == at)[:, None]
+            k = tl.where(here, tl.load(out_k + o_row * D + d).to(tl.float32)[None, :], k)
+            v = tl.where(here, tl.load(out_v + o_row * D + d).to(tl.float32)[None, :], v)
+        scores = tl.dot(query, tl.trans(k), input_precision=PRECISION)  # [QB, G]
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m = m_new
+    empty = stop <= start
+    safe = tl.where(empty, 1.0, total)
+    out = (b * HQ + heads) * S + s
+    tl.store(
+        o + out[:, None] * D + d[None, :],
+        tl.where(empty, 0.0, acc / safe[:, None]),
+        mask=q_ok[:, None],
+    )
+    tl.store(lse + out, tl.where(empty, float("-inf"), m + tl.log(safe)), mask=q_ok)
