@@ -11,10 +11,12 @@ clock at best. The kernel is bound by issue, not by memory, while
     warp-instructions per group byte  >  (SM issue per clock) / (copy bytes per clock per SM)
 
 which the ``per byte`` column prints (on the H200 of 2026-11-27: about 8 copied bytes
-per clock per SM at the bench's sizes, so above about 0.5 warp-instructions per byte
-the kernel cannot reach the copy's rate, and at ``r`` per byte it reaches at most about
-``0.5 / r`` of it). This is a static count: loop-carried latency, memory stalls and
-occupancy are not in it; only a GPU measures them (``benches/bench_tier.py``).
+per clock per SM at the bench's sizes, so at ``r`` per byte a kernel issuing at the
+SM's full rate reaches at most about ``0.5 / r`` of the copy). Measured, the kernel
+read at about ``0.2 / r`` of the copy over 12 configurations (docs/performance.md, "The
+tier's attention kernel read without a GPU"): it issues at 1-1.6 warp-instructions per
+clock, not 4. This is a static count: loop-carried latency, memory stalls and occupancy
+are not in it; only a GPU measures them (``benches/bench_tier.py``).
 
     python3 scripts/tier_kernel_sass.py [--arch 90] [--bits 3] [--shape llama8b] [--warps 2]
         [--lines lean]     # that body's loop instructions by source line (a static profile)
@@ -49,14 +51,12 @@ BODIES = (
 )
 
 
-def pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def compile_body(fn, *, bits, shape, warps, extra, pad16, arch, stages=3):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from sglang_evict_kernels.tier_attention import triton_pow2
 
     hq, h, d = shape
     signature = {
@@ -77,7 +77,7 @@ def compile_body(fn, *, bits, shape, warps, extra, pad16, arch, stages=3):
         "sm_scale": "fp32",
         "W": "i32",
     }
-    qb = pow2(hq // h)
+    qb = triton_pow2(hq // h)
     constants = {
         "HQ": hq,
         "H": h,
