@@ -111,6 +111,14 @@ def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def ptxas_available() -> bool:
+    """Triton installed with its NVIDIA backend's tools."""
+    try:
+        return os.path.exists(tool("ptxas"))
+    except ImportError:
+        return False
+
+
 def cubin_text(compiled, *flags: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -260,8 +268,8 @@ def main() -> None:
         # the interpreter replaces Triton's compiler front end: compile without it
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    if not os.path.exists(tool("ptxas")):
-        sys.exit("Triton's NVIDIA backend (ptxas) is not installed with this Triton")
+    if not ptxas_available():
+        sys.exit("this needs Triton with its NVIDIA backend (ptxas); install the project's torch")
     if not args.json:
         print(
             f"{'shape':>8}{'bits':>5}  {'body':<10}{'warps':>6}{'regs':>6}{'stack':>7}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ def load():
 
 sass = load()
 pytestmark = pytest.mark.skipif(
-    not os.path.exists(sass.tool("ptxas")), reason="Triton without its NVIDIA backend (ptxas)"
+    not sass.ptxas_available(), reason="Triton without its NVIDIA backend (ptxas)"
 )
 
 
