@@ -125,6 +125,79 @@ def quantize_kernel(
 
 
 @triton.jit
+def load_queries(q, b, heads, q_ok, d, HQ: tl.constexpr, D: tl.constexpr):
+    """float32 ``[QB, D]``: request ``b``'s query heads ``heads`` (rows past ``q_ok``: 0)."""
+    return tl.load(
+        q + (b * HQ + heads)[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0
+    ).to(tl.float32)
+
+
+@triton.jit
+def split_range(num_groups, b, s, S: tl.constexpr):
+    """``[start, stop)``: split ``s`` of ``S``'s share of request ``b``'s groups."""
+    count = tl.load(num_groups + b)
+    per = tl.cdiv(count, S)
+    start = s * per
+    return start, tl.minimum(start + per, count)
+
+
+@triton.jit
+def with_outlier_rows(
+    k,
+    v,
+    g,
+    d,
+    slot,
+    h,
+    out_index,
+    out_k,
+    out_v,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    N_OUT: tl.constexpr,
+):
+    """A group's dequantized ``[G, D]`` keys and values with its outlier tokens' rows
+    (full precision) in their place."""
+    for j in tl.static_range(N_OUT):
+        o_row = (slot * H + h) * N_OUT + j
+        at = tl.load(out_index + o_row).to(tl.int32)
+        here = (g == at)[:, None]
+        k = tl.where(here, tl.load(out_k + o_row * D + d).to(tl.float32)[None, :], k)
+        v = tl.where(here, tl.load(out_v + o_row * D + d).to(tl.float32)[None, :], v)
+    return k, v
+
+
+@triton.jit
+def store_split(
+    o,
+    lse,
+    acc,
+    total,
+    m,
+    start,
+    stop,
+    b,
+    s,
+    heads,
+    q_ok,
+    d,
+    HQ: tl.constexpr,
+    S: tl.constexpr,
+    D: tl.constexpr,
+):
+    """A split's partial attention and its log-sum-exp (an empty split: 0 and -inf)."""
+    empty = stop <= start
+    safe = tl.where(empty, 1.0, total)
+    out = (b * HQ + heads) * S + s
+    tl.store(
+        o + out[:, None] * D + d[None, :],
+        tl.where(empty, 0.0, acc / safe[:, None]),
+        mask=q_ok[:, None],
+    )
+    tl.store(lse + out, tl.where(empty, float("-inf"), m + tl.log(safe)), mask=q_ok)
+
+
+@triton.jit
 def attention_kernel(
     q,  # [B, Hq, D]
     group_table,  # [B, W] int32
@@ -165,16 +238,11 @@ def attention_kernel(
     qh = tl.arange(0, QB)
     q_ok = qh < QPK
     heads = h * QPK + qh
-    query = tl.load(
-        q + (b * HQ + heads)[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0
-    ).to(tl.float32)  # [QB, D]
+    query = load_queries(q, b, heads, q_ok, d, HQ, D)  # [QB, D]
     m = tl.full([QB], float("-inf"), tl.float32)
     total = tl.zeros([QB], dtype=tl.float32)
     acc = tl.zeros([QB, D], dtype=tl.float32)
-    count = tl.load(num_groups + b)
-    per = tl.cdiv(count, S)
-    start = s * per
-    stop = tl.minimum(start + per, count)
+    start, stop = split_range(num_groups, b, s, S)
     for i in range(start, stop):
         slot = tl.load(group_table + b * W + i).to(tl.int64)
         rows = ((slot * G + g) * H + h) * P
@@ -200,12 +268,7 @@ def attention_kernel(
         vz = tl.load(v_zero + blocks).to(tl.float32)
         vcodes = tl.reshape(vc.to(tl.float32), (G, D // C, C))
         v = tl.reshape(vcodes * vs[:, :, None] + vz[:, :, None], (G, D))
-        for j in tl.static_range(N_OUT):
-            o_row = (slot * H + h) * N_OUT + j
-            at = tl.load(out_index + o_row).to(tl.int32)
-            here = (g == at)[:, None]
-            k = tl.where(here, tl.load(out_k + o_row * D + d).to(tl.float32)[None, :], k)
-            v = tl.where(here, tl.load(out_v + o_row * D + d).to(tl.float32)[None, :], v)
+        k, v = with_outlier_rows(k, v, g, d, slot, h, out_index, out_k, out_v, H, D, N_OUT)
         scores = tl.sum(query[:, None, :] * k[None, :, :], axis=2) * sm_scale  # [QB, G]
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
@@ -213,15 +276,7 @@ def attention_kernel(
         total = total * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    empty = stop <= start
-    safe = tl.where(empty, 1.0, total)
-    out = (b * HQ + heads) * S + s
-    tl.store(
-        o + out[:, None] * D + d[None, :],
-        tl.where(empty, 0.0, acc / safe[:, None]),
-        mask=q_ok[:, None],
-    )
-    tl.store(lse + out, tl.where(empty, float("-inf"), m + tl.log(safe)), mask=q_ok)
+    store_split(o, lse, acc, total, m, start, stop, b, s, heads, q_ok, d, HQ, S, D)
 
 
 @triton.jit
@@ -298,12 +353,7 @@ def attention_lean_kernel(
     qh = tl.arange(0, QB)
     q_ok = qh < QPK
     heads = h * QPK + qh
-    query = (
-        tl.load(q + (b * HQ + heads)[:, None] * D + d[None, :], mask=q_ok[:, None], other=0.0).to(
-            tl.float32
-        )
-        * sm_scale
-    )  # [QB, D]
+    query = load_queries(q, b, heads, q_ok, d, HQ, D) * sm_scale  # [QB, D]
     # Offsets within a group, the same for every group (int32, computed once): a
     # channel's code starts in byte (c * BITS) // 8 of its token's row.
     shift = (d * BITS) % 8
@@ -313,10 +363,7 @@ def attention_lean_kernel(
     m = tl.full([QB], float("-inf"), tl.float32)
     total = tl.zeros([QB], dtype=tl.float32)
     acc = tl.zeros([QB, D], dtype=tl.float32)
-    count = tl.load(num_groups + b)
-    per = tl.cdiv(count, S)
-    start = s * per
-    stop = tl.minimum(start + per, count)
+    start, stop = split_range(num_groups, b, s, S)
     for i in range(start, stop):
         slot = tl.load(group_table + b * W + i).to(tl.int64)
         k_at = k_codes + (slot * G * H + h) * P + code_at
@@ -335,12 +382,7 @@ def attention_lean_kernel(
         vs = tl.load(v_scale + v_base + block_at).to(tl.float32)
         vz = tl.load(v_zero + v_base + block_at).to(tl.float32)
         v = vc.to(tl.float32) * vs + vz  # [G, D]
-        for j in tl.static_range(N_OUT):
-            o_row = (slot * H + h) * N_OUT + j
-            at = tl.load(out_index + o_row).to(tl.int32)
-            here = (g == at)[:, None]
-            k = tl.where(here, tl.load(out_k + o_row * D + d).to(tl.float32)[None, :], k)
-            v = tl.where(here, tl.load(out_v + o_row * D + d).to(tl.float32)[None, :], v)
+        k, v = with_outlier_rows(k, v, g, d, slot, h, out_index, out_k, out_v, H, D, N_OUT)
         scores = tl.dot(query, tl.trans(k), input_precision=PRECISION)  # [QB, G]
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
@@ -348,12 +390,4 @@ def attention_lean_kernel(
         total = total * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
-    empty = stop <= start
-    safe = tl.where(empty, 1.0, total)
-    out = (b * HQ + heads) * S + s
-    tl.store(
-        o + out[:, None] * D + d[None, :],
-        tl.where(empty, 0.0, acc / safe[:, None]),
-        mask=q_ok[:, None],
-    )
-    tl.store(lse + out, tl.where(empty, float("-inf"), m + tl.log(safe)), mask=q_ok)
+    store_split(o, lse, acc, total, m, start, stop, b, s, heads, q_ok, d, HQ, S, D)
