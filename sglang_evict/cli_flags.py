@@ -61,6 +61,22 @@ def group_steps_flag(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{error} (or auto)") from None
 
 
+# The tier's flags besides --kv-tier-bits: (flag, config field, type, metavar, help).
+# Their defaults are the config's; given without --kv-tier-bits they are refused, since
+# no tier would run.
+TIER_DETAIL_FLAGS = (
+    ("--kv-tier-group", "tier_group_tokens", int, "G", "tokens quantized together"),
+    ("--kv-tier-value-group", "tier_value_group_channels", int, "C",
+     "channels sharing a value range"),
+    ("--kv-tier-outliers", "tier_outlier_tokens", int, "N",
+     "outlier tokens per group and KV head kept in full precision (OTT)"),
+    ("--kv-tier-tokens", "tier_max_tokens", int, "TOKENS",
+     "the most tokens one request's tier holds (whole groups)"),
+    ("--kv-tier-pool-share", "tier_pool_share", float, "SHARE",
+     "the share of the KV memory the tier's arena takes"),
+)  # fmt: skip
+
+
 def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None = None) -> None:
     """The eviction flags, named as ``sglang-evict serve`` takes them."""
     parser.add_argument(
@@ -110,37 +126,15 @@ def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None
         metavar="BITS",
         help="2, 3, 4 or 8: the tier's bits per element (default: no tier)",
     )
-    tier.add_argument(
-        "--kv-tier-group", type=int, default=32, metavar="G", help="tokens quantized together"
-    )
-    tier.add_argument(
-        "--kv-tier-value-group",
-        type=int,
-        default=32,
-        metavar="C",
-        help="channels sharing a value range",
-    )
-    tier.add_argument(
-        "--kv-tier-outliers",
-        type=int,
-        default=0,
-        metavar="N",
-        help="outlier tokens per group and KV head kept in full precision (OTT)",
-    )
-    tier.add_argument(
-        "--kv-tier-tokens",
-        type=int,
-        default=4096,
-        metavar="TOKENS",
-        help="the most tokens one request's tier holds (whole groups)",
-    )
-    tier.add_argument(
-        "--kv-tier-pool-share",
-        type=float,
-        default=0.25,
-        metavar="SHARE",
-        help="the share of the KV memory the tier's arena takes",
-    )
+    defaults = EvictionConfig.__dataclass_fields__
+    for flag, field, kind, metavar, text in TIER_DETAIL_FLAGS:
+        tier.add_argument(
+            flag,
+            type=kind,
+            default=None,
+            metavar=metavar,
+            help=f"{text} (default: {defaults[field].default}; with --kv-tier-bits only)",
+        )
     parser.add_argument(
         "--kv-sink-tokens",
         type=int_flag(0, MAX_SINK_TOKENS),
@@ -301,14 +295,18 @@ def admission_fields(args: argparse.Namespace) -> dict:
 def tier_fields(args: argparse.Namespace) -> dict:
     if not hasattr(args, "kv_tier_bits"):
         return {}
-    return dict(
-        tier_bits=args.kv_tier_bits,
-        tier_group_tokens=args.kv_tier_group,
-        tier_value_group_channels=args.kv_tier_value_group,
-        tier_outlier_tokens=args.kv_tier_outliers,
-        tier_max_tokens=args.kv_tier_tokens,
-        tier_pool_share=args.kv_tier_pool_share,
-    )
+    given = {
+        flag: (field, getattr(args, flag[2:].replace("-", "_")))
+        for flag, field, *_ in TIER_DETAIL_FLAGS
+    }
+    given = {flag: pair for flag, pair in given.items() if pair[1] is not None}
+    if args.kv_tier_bits is None and given:
+        flags = ", ".join(given)
+        raise ValueError(
+            f"{flags} without --kv-tier-bits: no tier runs without its bits; add "
+            f"--kv-tier-bits 3 (2, 3, 4 or 8) or drop {flags}"
+        )
+    return dict(tier_bits=args.kv_tier_bits, **dict(given.values()))
 
 
 def compactor_fields(args: argparse.Namespace) -> dict:
