@@ -1,15 +1,20 @@
 // Decode attention over the quantized tier on CPU: tier_attention_reference's result
 // (sglang_evict_kernels/tier_attention.py) read straight from the packed bytes, one task
-// per (request, KV head). A group's key codes are unpacked, transposed, into a buffer of
-// head_dim x G floats (so the scores are loops over tokens), its values a token's row at
-// a time; nothing of the size of the tier is materialized, and the groups are streamed
-// with an online softmax.
+// per (request, KV head). Nothing of the size of the tier is materialized: the groups are
+// streamed with an online softmax, one group's codes unpacked at a time.
 //
 // Keys are read with their per-channel scale folded into the query:
 //     q . (code * scale + zero) = (q * scale) . code + q . zero
-// (the same value, another rounding order); values are dequantized as the reference
-// does, code * scale + zero per token and block of channels. Outlier tokens read their
-// full-precision rows. Layouts: tier_format.py's module docstring; every tensor
+// (the same value, another rounding order). A group's key codes are unpacked transposed
+// (head_dim x G floats), so the scores are vectors over tokens held in a register over
+// the channels. Values are dequantized as the reference does, code * scale + zero per
+// token and block of channels, one row at a time in chunk order: the j-th code of every
+// 8-code chunk of a row is one vector (lanes = chunks), so a row is 8 vector shifts,
+// masks, conversions and multiply-adds with no per-code scalar work. The weighted sum
+// runs over the group's rows with 16 channels held in a register, in that chunk order;
+// the output's channel order is restored once per task. Outlier tokens read their
+// full-precision rows. The vectors are GCC's and Clang's vector extension, so the build
+// needs one of the two. Layouts: tier_format.py's module docstring; every tensor
 // contiguous (checked by the Python launcher).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -79,13 +84,17 @@ inline Word<BITS> chunk_word(const uint8_t* chunk) {
   return word;
 }
 
+// The word of chunk ``c`` of a row of ``chunks`` chunks: one unaligned load where the
+// load stays inside the row (its bytes past the chunk land above the codes, which every
+// use masks off), byte by byte for the row's last chunks.
 template <int BITS>
-inline void unpack_row(const uint8_t* row, int64_t d, float* out) {
-  constexpr Word<BITS> kMask = (Word<BITS>(1) << BITS) - 1;
-  for (int64_t c = 0; c < d / 8; ++c) {
-    const Word<BITS> word = chunk_word<BITS>(row + c * BITS);
-    for (int j = 0; j < 8; ++j) out[c * 8 + j] = float((word >> (BITS * j)) & kMask);
+inline Word<BITS> row_chunk_word(const uint8_t* row, int64_t c, int64_t chunks) {
+  if (c * BITS + int64_t(sizeof(Word<BITS>)) <= chunks * BITS) {
+    Word<BITS> word;
+    std::memcpy(&word, row + c * BITS, sizeof word);
+    return word;
   }
+  return chunk_word<BITS>(row + c * BITS);
 }
 
 struct Inputs {
@@ -110,7 +119,9 @@ struct Inputs {
 
 // One task's buffers, sized once per task range.
 struct Scratch {
-  std::vector<float> qv, qs, acc, m, l, sc, key_t, codes, ks, kz, vrow, vs, vz;
+  // acc: [P, D] and vbuf: [G, D] in chunk order (code j of chunk c at j * D/8 + c);
+  // key_t: [D, G], a group's key codes transposed; qs: [P, D], queries times key scales
+  std::vector<float> qv, qs, acc, m, l, sc, key_t, vbuf, ks, kz, row, vs, vz;
   std::vector<int> outlier_of;
   explicit Scratch(const Inputs& in) {
     const int64_t P = in.hq / in.h, D = in.d, G = in.g, NB = in.d / in.c;
@@ -121,21 +132,69 @@ struct Scratch {
     l.resize(P);
     sc.resize(P * G);
     key_t.resize(D * G);
-    codes.resize(D);
+    vbuf.resize(G * D);
     ks.resize(D);
     kz.resize(D);
-    vrow.resize(D);
+    row.resize(D);
     vs.resize(NB);
     vz.resize(NB);
     outlier_of.resize(G);
   }
 };
 
-// Request ``row``'s attention for the query heads of KV head ``head``.
-template <int BITS>
+// Fixed-width vectors (GCC's and Clang's vector extension: one AVX-512 register, two
+// AVX2 ones or four NEON ones, as the machine has), loaded and stored unaligned.
+template <typename T, int N>
+struct VecOf {
+  typedef T type __attribute__((vector_size(N * sizeof(T))));
+};
+template <typename T, int N>
+using Vec = typename VecOf<T, N>::type;
+
+template <typename T, int N>
+inline Vec<T, N> load_vec(const T* p) {
+  Vec<T, N> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename T, int N>
+inline void store_vec(T* p, Vec<T, N> v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// scores[t] = bias + sum_i a[i] * key_t[i * g + t] for t < g, TB tokens at a time held
+// in a register over the channels.
+template <int TB>
+inline void key_scores(const float* a, const float* key_t, float bias, int64_t d, int64_t g,
+                       float* scores) {
+  using V = Vec<float, TB>;
+  for (int64_t tb = 0; tb < g; tb += TB) {
+    V part = V{} + bias;
+    for (int64_t i = 0; i < d; ++i) part += a[i] * load_vec<float, TB>(key_t + i * g + tb);
+    store_vec<float, TB>(scores + tb, part);
+  }
+}
+
+// acc[i] += sum_t e[t] * vbuf[t * d + i] for i < d, 16 channels at a time held in a
+// register over the tokens.
+inline void value_sums(const float* e, const float* vbuf, int64_t d, int64_t g, float* acc) {
+  using V = Vec<float, 16>;
+  for (int64_t ib = 0; ib < d; ib += 16) {
+    V part = load_vec<float, 16>(acc + ib);
+    for (int64_t t = 0; t < g; ++t) part += e[t] * load_vec<float, 16>(vbuf + t * d + ib);
+    store_vec<float, 16>(acc + ib, part);
+  }
+}
+
+// Request ``row``'s attention for the query heads of KV head ``head``. NC, the chunks
+// of a row (head dim / 8), is a constant so that the chunk-order loops are whole vectors.
+template <int BITS, int NC>
 void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
   constexpr Word<BITS> kMask = (Word<BITS>(1) << BITS) - 1;
-  const int64_t P = in.hq / in.h, D = in.d, G = in.g, NB = in.d / in.c, H = in.h;
+  constexpr int64_t D = NC * 8;
+  const int64_t P = in.hq / in.h, G = in.g, NB = in.d / in.c, H = in.h;
+  const int64_t CB = in.c / 8;  // chunks per value block
   const float neg_inf = -std::numeric_limits<float>::infinity();
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
   std::fill(s.l.begin(), s.l.end(), 0.f);
@@ -154,8 +213,9 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
     const int64_t token_stride = H * in.pd;  // bytes from one token's row to the next's
     const uint8_t* k_rows = in.k_codes + (slot * G * H + head) * in.pd;
     // keys, transposed: key_t[channel * G + token], a loop over tokens per channel
-    for (int64_t c = 0; c < D / 8; ++c) {
-      for (int64_t t = 0; t < G; ++t) words[t] = chunk_word<BITS>(k_rows + t * token_stride + c * BITS);
+    for (int64_t c = 0; c < NC; ++c) {
+      for (int64_t t = 0; t < G; ++t)
+        words[t] = row_chunk_word<BITS>(k_rows + t * token_stride, c, NC);
       for (int j = 0; j < 8; ++j) {
         float* col = s.key_t.data() + (c * 8 + j) * G;
         for (int64_t t = 0; t < G; ++t) col[t] = float((words[t] >> (BITS * j)) & kMask);
@@ -164,25 +224,26 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
     load_floats(in.k_scale, in.scale_type, sh * D, D, s.ks.data());
     load_floats(in.k_zero, in.scale_type, sh * D, D, s.kz.data());
     for (int64_t p = 0; p < P; ++p) {
-      float* scores = s.sc.data() + p * G;
       float bias = 0.f;
-      for (int64_t i = 0; i < D; ++i) bias += s.qv[p * D + i] * s.kz[i];
-      for (int64_t t = 0; t < G; ++t) scores[t] = bias;
       for (int64_t i = 0; i < D; ++i) {
-        const float a = s.qv[p * D + i] * s.ks[i];
-        const float* col = s.key_t.data() + i * G;
-        for (int64_t t = 0; t < G; ++t) scores[t] += a * col[t];
+        bias += s.qv[p * D + i] * s.kz[i];
+        s.qs[p * D + i] = s.qv[p * D + i] * s.ks[i];
       }
+      float* scores = s.sc.data() + p * G;
+      if (G % 16 == 0)  // G is a power of two of at least 8
+        key_scores<16>(s.qs.data() + p * D, s.key_t.data(), bias, D, G, scores);
+      else
+        key_scores<8>(s.qs.data() + p * D, s.key_t.data(), bias, D, G, scores);
     }
     std::fill(s.outlier_of.begin(), s.outlier_of.end(), -1);
     for (int64_t n = 0; n < in.no; ++n) {
       const int64_t t = in.out_index[sh * in.no + n];
       if (t < 0 || t >= G) continue;
       s.outlier_of[t] = int(n);
-      load_floats(in.out_k, in.full_type, (sh * in.no + n) * D, D, s.codes.data());
+      load_floats(in.out_k, in.full_type, (sh * in.no + n) * D, D, s.row.data());
       for (int64_t p = 0; p < P; ++p) {
         float score = 0.f;
-        for (int64_t i = 0; i < D; ++i) score += s.qv[p * D + i] * s.codes[i];
+        for (int64_t i = 0; i < D; ++i) score += s.qv[p * D + i] * s.row[i];
         s.sc[p * G + t] = score;
       }
     }
@@ -200,32 +261,46 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
         for (int64_t i = 0; i < D; ++i) s.acc[p * D + i] *= alpha;
       s.m[p] = top;
     }
-    // values, a token's row at a time
+    // values: the group's rows dequantized in chunk order (code j of every chunk is one
+    // vector over the chunks), then summed under the weights
+    const uint8_t* v_rows = in.v_codes + (slot * G * H + head) * in.pd;
     for (int64_t t = 0; t < G; ++t) {
+      float* dst = s.vbuf.data() + t * D;
       const int n = s.outlier_of[t];
       if (n >= 0) {
-        load_floats(in.out_v, in.full_type, (sh * in.no + n) * D, D, s.vrow.data());
-      } else {
-        const int64_t tok = (slot * G + t) * H + head;
-        unpack_row<BITS>(in.v_codes + tok * in.pd, D, s.codes.data());
-        load_floats(in.v_scale, in.scale_type, tok * NB, NB, s.vs.data());
-        load_floats(in.v_zero, in.scale_type, tok * NB, NB, s.vz.data());
-        for (int64_t blk = 0; blk < NB; ++blk)
-          for (int64_t i = blk * in.c; i < (blk + 1) * in.c; ++i)
-            s.vrow[i] = s.codes[i] * s.vs[blk] + s.vz[blk];
+        load_floats(in.out_v, in.full_type, (sh * in.no + n) * D, D, s.row.data());
+        for (int j = 0; j < 8; ++j)
+          for (int c = 0; c < NC; ++c) dst[j * NC + c] = s.row[c * 8 + j];
+        continue;
       }
-      for (int64_t p = 0; p < P; ++p) {
-        const float e = s.sc[p * G + t];
-        float* a = s.acc.data() + p * D;
-        for (int64_t i = 0; i < D; ++i) a[i] += e * s.vrow[i];
+      const uint8_t* v_row = v_rows + t * token_stride;
+      using W = Vec<Word<BITS>, NC>;
+      using F = Vec<float, NC>;
+      W vw;
+      for (int c = 0; c < NC; ++c) vw[c] = row_chunk_word<BITS>(v_row, c, NC);
+      const int64_t tok = (slot * G + t) * H + head;
+      load_floats(in.v_scale, in.scale_type, tok * NB, NB, s.vs.data());
+      load_floats(in.v_zero, in.scale_type, tok * NB, NB, s.vz.data());
+      F scale, zero;
+      for (int64_t b = 0, c = 0; b < NB; ++b)
+        for (int64_t k = 0; k < CB; ++k, ++c) {
+          scale[c] = s.vs[b];
+          zero[c] = s.vz[b];
+        }
+      for (int j = 0; j < 8; ++j) {
+        const F code = __builtin_convertvector((vw >> (BITS * j)) & kMask, F);
+        store_vec<float, NC>(dst + j * NC, code * scale + zero);
       }
     }
+    for (int64_t p = 0; p < P; ++p)
+      value_sums(s.sc.data() + p * G, s.vbuf.data(), D, G, s.acc.data() + p * D);
   }
   for (int64_t p = 0; p < P; ++p) {
     const int64_t qh = row * in.hq + head * P + p;
     float* out = in.o + qh * D;
     if (s.l[p] > 0.f) {
-      for (int64_t i = 0; i < D; ++i) out[i] = s.acc[p * D + i] / s.l[p];
+      for (int j = 0; j < 8; ++j)
+        for (int c = 0; c < NC; ++c) out[c * 8 + j] = s.acc[p * D + j * NC + c] / s.l[p];
       in.lse[qh] = s.m[p] + std::log(s.l[p]);
     } else {
       for (int64_t i = 0; i < D; ++i) out[i] = 0.f;
@@ -255,7 +330,8 @@ std::vector<torch::Tensor> tier_attention(
   in.slots = k_codes.size(0);
   in.c = group_channels;
   in.no = out_index.size(2);
-  TORCH_CHECK(in.d % 8 == 0 && in.d % in.c == 0 && in.hq % in.h == 0,
+  TORCH_CHECK((in.d == 64 || in.d == 128) && in.c % 8 == 0 && in.d % in.c == 0 &&
+                  in.hq % in.h == 0,
               "tier CPU kernel: head dim ", in.d, " / value group ", in.c, " / heads ", in.hq,
               " over ", in.h, " do not fit");
   TORCH_CHECK(in.pd * 8 == in.d * bits, "tier CPU kernel: packed rows of ", in.pd,
@@ -287,11 +363,21 @@ std::vector<torch::Tensor> tier_attention(
   auto task = [&](int64_t begin, int64_t end) {
     Scratch scratch(in);
     for (int64_t i = begin; i < end; ++i) {
-      switch (bits) {
-        case 2: attend<2>(in, i / in.h, i % in.h, scratch); break;
-        case 3: attend<3>(in, i / in.h, i % in.h, scratch); break;
-        case 4: attend<4>(in, i / in.h, i % in.h, scratch); break;
-        default: attend<8>(in, i / in.h, i % in.h, scratch); break;
+      const int64_t row = i / in.h, head = i % in.h;
+      if (in.d == 64) {
+        switch (bits) {
+          case 2: attend<2, 8>(in, row, head, scratch); break;
+          case 3: attend<3, 8>(in, row, head, scratch); break;
+          case 4: attend<4, 8>(in, row, head, scratch); break;
+          default: attend<8, 8>(in, row, head, scratch); break;
+        }
+      } else {
+        switch (bits) {
+          case 2: attend<2, 16>(in, row, head, scratch); break;
+          case 3: attend<3, 16>(in, row, head, scratch); break;
+          case 4: attend<4, 16>(in, row, head, scratch); break;
+          default: attend<8, 16>(in, row, head, scratch); break;
+        }
       }
     }
   };
