@@ -100,6 +100,20 @@ def test_tier_bench_runs_its_smoke_configuration_on_cpu():
     assert "attn/copy" in header and len(row.split()) == 9 + len(variants)
 
 
+def test_tier_cpu_bench_runs_its_smoke_configuration():
+    """``bench_tier_cpu.py --smoke``: the compiled kernel, the tensor form and SDPA on one
+    small configuration; one row with both ratios."""
+    from sglang_evict_kernels.tier_cpu import cpu_kernel_status
+
+    if not cpu_kernel_status()[0]:
+        pytest.skip(f"the tier's CPU kernel: {cpu_kernel_status()[1]}")
+    header, row = smoke_table("bench_tier_cpu.py")
+    assert "kernel/SDPA" in header and "tensor/kernel" in header
+    cells = row.split()
+    assert cells[:5] == ["smollm2", "3", "2", "64", "1"] and len(cells) == 10
+    assert all(float(c) > 0 for c in cells[5:]), row
+
+
 @pytest.mark.parametrize("strategy", ["hole_fill", "repack"])
 def test_pass_bench_dispatches_as_many_operations_whatever_the_budget_and_due_requests(strategy):
     """``bench_pass.py``'s ``ops/pass`` column: the tensor operations one batched pass
