@@ -121,7 +121,7 @@ struct Inputs {
 struct Scratch {
   // acc: [P, D] and vbuf: [G, D] in chunk order (code j of chunk c at j * D/8 + c);
   // key_t: [D, G], a group's key codes transposed; qs: [P, D], queries times key scales
-  std::vector<float> qv, qs, acc, m, l, sc, key_t, vbuf, ks, kz, row, vs, vz;
+  std::vector<float> qv, qs, acc, m, l, sc, key_t, vbuf, ks, kz, full_row, vs, vz;
   std::vector<int> outlier_of;
   explicit Scratch(const Inputs& in) {
     const int64_t P = in.hq / in.h, D = in.d, G = in.g, NB = in.d / in.c;
@@ -135,7 +135,7 @@ struct Scratch {
     vbuf.resize(G * D);
     ks.resize(D);
     kz.resize(D);
-    row.resize(D);
+    full_row.resize(D);
     vs.resize(NB);
     vz.resize(NB);
     outlier_of.resize(G);
@@ -240,10 +240,10 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
       const int64_t t = in.out_index[sh * in.no + n];
       if (t < 0 || t >= G) continue;
       s.outlier_of[t] = int(n);
-      load_floats(in.out_k, in.full_type, (sh * in.no + n) * D, D, s.row.data());
+      load_floats(in.out_k, in.full_type, (sh * in.no + n) * D, D, s.full_row.data());
       for (int64_t p = 0; p < P; ++p) {
         float score = 0.f;
-        for (int64_t i = 0; i < D; ++i) score += s.qv[p * D + i] * s.row[i];
+        for (int64_t i = 0; i < D; ++i) score += s.qv[p * D + i] * s.full_row[i];
         s.sc[p * G + t] = score;
       }
     }
@@ -268,9 +268,9 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
       float* dst = s.vbuf.data() + t * D;
       const int n = s.outlier_of[t];
       if (n >= 0) {
-        load_floats(in.out_v, in.full_type, (sh * in.no + n) * D, D, s.row.data());
+        load_floats(in.out_v, in.full_type, (sh * in.no + n) * D, D, s.full_row.data());
         for (int j = 0; j < 8; ++j)
-          for (int c = 0; c < NC; ++c) dst[j * NC + c] = s.row[c * 8 + j];
+          for (int c = 0; c < NC; ++c) dst[j * NC + c] = s.full_row[c * 8 + j];
         continue;
       }
       const uint8_t* v_row = v_rows + t * token_stride;
@@ -306,6 +306,17 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
       for (int64_t i = 0; i < D; ++i) out[i] = 0.f;
       in.lse[qh] = neg_inf;
     }
+  }
+}
+
+// ``attend`` for the bits of the call (2, 3, 4 or 8: checked by the caller).
+template <int NC>
+void attend_bits(const Inputs& in, int64_t bits, int64_t row, int64_t head, Scratch& s) {
+  switch (bits) {
+    case 2: attend<2, NC>(in, row, head, s); break;
+    case 3: attend<3, NC>(in, row, head, s); break;
+    case 4: attend<4, NC>(in, row, head, s); break;
+    default: attend<8, NC>(in, row, head, s); break;
   }
 }
 
@@ -363,22 +374,10 @@ std::vector<torch::Tensor> tier_attention(
   auto task = [&](int64_t begin, int64_t end) {
     Scratch scratch(in);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = i / in.h, head = i % in.h;
-      if (in.d == 64) {
-        switch (bits) {
-          case 2: attend<2, 8>(in, row, head, scratch); break;
-          case 3: attend<3, 8>(in, row, head, scratch); break;
-          case 4: attend<4, 8>(in, row, head, scratch); break;
-          default: attend<8, 8>(in, row, head, scratch); break;
-        }
-      } else {
-        switch (bits) {
-          case 2: attend<2, 16>(in, row, head, scratch); break;
-          case 3: attend<3, 16>(in, row, head, scratch); break;
-          case 4: attend<4, 16>(in, row, head, scratch); break;
-          default: attend<8, 16>(in, row, head, scratch); break;
-        }
-      }
+      if (in.d == 64)
+        attend_bits<8>(in, bits, i / in.h, i % in.h, scratch);
+      else
+        attend_bits<16>(in, bits, i / in.h, i % in.h, scratch);
     }
   };
   TORCH_CHECK(bits == 2 || bits == 3 || bits == 4 || bits == 8,
