@@ -83,6 +83,7 @@ def test_engine_outputs_equal_the_reference_loop_with_the_tier(
     tier = engine.plugin_state()["tier"]
     assert tier["hook_calls"]["decode_merged"] > before  # the merge ran in the engine
     assert tier["cpu_kernel"] == "compiled"  # ... with the compiled CPU kernel
+    assert tier["merged_by"] == "tier_decode_merge_cpu"  # one compiled call per layer
     assert tier["pool_tokens_after"] < tier["pool_tokens_before"]  # carved from the pool
     assert_clean_after(engine, mark)
     assert engine.plugin_state()["tier"]["groups_held"] == 0

@@ -15,8 +15,9 @@ tests and benchmarks compare against the reference. This package imports neither
     tier_quant      quantize-and-pack groups of tokens into the tier (launcher)
     tier_attention  decode attention over the tier with its log-sum-exp; the merge
     tier_jit        the tier's Triton device code
-    tier_cpu        decode attention over the tier on CPU, a C++ kernel
-                    (``csrc/tier_attention_cpu.cpp``) built on first use
+    tier_cpu        the tier on CPU, C++ kernels built on first use: decode
+                    attention, the decode step's merge, quantize-and-pack
+                    (``csrc/``)
     _device         host ints to device tensors in one copy
 """
 

@@ -155,6 +155,57 @@ def merge_attention_states(
     return o, lse
 
 
+def full_precision_lse_reference(
+    q: Tensor,
+    k_buffer: Tensor,
+    req_to_token: Tensor,
+    rows: Tensor,
+    lens: Tensor,
+    sm_scale: float,
+    width: int | None = None,
+) -> Tensor:
+    """float32 ``[B, Hq]``: the log-sum-exp of each query's scaled scores over its
+    request's full-precision keys where they lie in the pool, ``k_buffer [tokens, H,
+    D]`` at ``req_to_token[rows[b], :lens[b]]`` (``width``: at least ``lens.max()``,
+    given where reading it would cost a device read)."""
+    if width is None:
+        width = int(lens.max()) if lens.numel() else 0
+    slots = req_to_token[rows, :width]
+    keys = k_buffer[slots.long()]  # [B, L, H, D]
+    b, hq, d = q.shape
+    h = k_buffer.shape[1]
+    grouped = q.float().reshape(b, h, hq // h, d)  # GQA: no copy of keys per q head
+    scores = torch.matmul(grouped, keys.float().permute(0, 2, 3, 1)) * sm_scale
+    live = torch.arange(width, device=lens.device)[None, :] < lens[:, None]
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    return torch.logsumexp(scores, dim=-1).reshape(b, hq)
+
+
+def decode_merge_reference(
+    q: Tensor,
+    o_full: Tensor,
+    k_buffer: Tensor,
+    req_to_token: Tensor,
+    rows: Tensor,
+    lens: Tensor,
+    store: TierStore,
+    group_table: Tensor,
+    num_groups: Tensor,
+    fmt: TierFormat,
+    sm_scale: float | None = None,
+) -> Tensor:
+    """A decode layer's output with the tier: ``o_full`` (``[B, Hq * D]``, the
+    attention over each request's full-precision keys, ``full_precision_lse_
+    reference``'s) merged with ``tier_attention_reference``'s, in ``o_full``'s dtype
+    and shape; a request without a tier keeps ``o_full`` exactly."""
+    sm_scale = 1.0 / math.sqrt(fmt.head_dim) if sm_scale is None else sm_scale
+    b, hq, d = q.shape
+    o_tier, lse_tier = tier_attention_reference(q, store, group_table, num_groups, fmt, sm_scale)
+    lse_full = full_precision_lse_reference(q, k_buffer, req_to_token, rows, lens, sm_scale)
+    merged, _ = merge_attention_states(o_full.reshape(b, hq, d).float(), lse_full, o_tier, lse_tier)
+    return merged.to(o_full.dtype).reshape(o_full.shape)
+
+
 # Warps per program: 2 read the packed bytes fastest of 2, 4 and 8 on an H200
 # (benches/results/bench_tier_h200.txt, 2026-11-27; all far below the copy's rate).
 NUM_WARPS = 2

@@ -318,3 +318,28 @@ def check_groups(keys: Tensor, values: Tensor, fmt: TierFormat) -> None:
             f"groups of {keys.shape[1]} tokens with head dim {keys.shape[3]} do not fit the "
             f"tier format (groups of {fmt.group_tokens}, head dim {fmt.head_dim})"
         )
+
+
+def check_quantize_inputs(
+    store: TierStore,
+    group_slots: Tensor,
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    token_slots: Tensor,
+    fmt: TierFormat,
+) -> None:
+    if k_buffer.shape != v_buffer.shape or k_buffer.dim() != 3:
+        raise ValueError(
+            f"k_buffer and v_buffer must be [tokens, kv heads, head dim] alike; got "
+            f"{tuple(k_buffer.shape)} and {tuple(v_buffer.shape)}"
+        )
+    if k_buffer.shape[1:] != (*store.k_codes.shape[2:3], fmt.head_dim):
+        raise ValueError(
+            f"buffers of {k_buffer.shape[1]} heads x {k_buffer.shape[2]} do not fit a store "
+            f"of {store.k_codes.shape[2]} heads x {fmt.head_dim}"
+        )
+    if token_slots.dim() != 2 or token_slots.shape != (group_slots.numel(), fmt.group_tokens):
+        raise ValueError(
+            f"token_slots must be [{group_slots.numel()} groups, {fmt.group_tokens} tokens]; "
+            f"got {tuple(token_slots.shape)}"
+        )

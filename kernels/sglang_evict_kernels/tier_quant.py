@@ -5,12 +5,13 @@ into the tier's group slots (``tier_format``), in one launch.
 ``G`` tokens of each group where they lie (``token_slots [N, G]`` into the buffers
 ``[tokens, H, D]``) and writes group ``n`` at ``store``'s slot ``group_slots[n]``.
 ``quantize_into_reference`` gathers and runs ``quantize_groups_reference``;
-``quantize_into_triton`` is one program per (group, KV head): outlier tokens by
+``tier_cpu.quantize_into_cpu`` is the compiled CPU kernel (one task per group and KV
+head); ``quantize_into_triton`` is one program per (group, KV head): outlier tokens by
 iterated ``argmin`` over float64 L1 norms (ties to the earlier token, as the
 reference's stable sort), the key ranges over the others, codes with
 round-to-nearest divisions (``div_rn``: the reference's IEEE float32 division), packed
-eight codes to ``bits`` bytes in registers. The tests hold it to the reference bit for
-bit.
+eight codes to ``bits`` bytes in registers. The tests hold both kernels to the reference
+bit for bit.
 """
 
 from __future__ import annotations
@@ -18,32 +19,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sglang_evict_kernels.tier_format import TierFormat, TierStore, quantize_groups_reference
-
-
-def check_quantize_inputs(
-    store: TierStore,
-    group_slots: Tensor,
-    k_buffer: Tensor,
-    v_buffer: Tensor,
-    token_slots: Tensor,
-    fmt: TierFormat,
-) -> None:
-    if k_buffer.shape != v_buffer.shape or k_buffer.dim() != 3:
-        raise ValueError(
-            f"k_buffer and v_buffer must be [tokens, kv heads, head dim] alike; got "
-            f"{tuple(k_buffer.shape)} and {tuple(v_buffer.shape)}"
-        )
-    if k_buffer.shape[1:] != (*store.k_codes.shape[2:3], fmt.head_dim):
-        raise ValueError(
-            f"buffers of {k_buffer.shape[1]} heads x {k_buffer.shape[2]} do not fit a store "
-            f"of {store.k_codes.shape[2]} heads x {fmt.head_dim}"
-        )
-    if token_slots.dim() != 2 or token_slots.shape != (group_slots.numel(), fmt.group_tokens):
-        raise ValueError(
-            f"token_slots must be [{group_slots.numel()} groups, {fmt.group_tokens} tokens]; "
-            f"got {tuple(token_slots.shape)}"
-        )
+from sglang_evict_kernels.tier_cpu import cpu_kernel_in_use, quantize_into_cpu
+from sglang_evict_kernels.tier_format import (
+    TierFormat,
+    TierStore,
+    check_quantize_inputs,
+    quantize_groups_reference,
+)
 
 
 def quantize_into_reference(
@@ -71,10 +53,19 @@ def quantize_into(
     fmt: TierFormat,
     use_triton: bool | None = None,
 ) -> None:
-    """The Triton kernel on a GPU (or when asked), the reference otherwise."""
-    triton = k_buffer.is_cuda if use_triton is None else use_triton
-    run = quantize_into_triton if triton else quantize_into_reference
+    """The Triton kernel on a GPU (or when asked); on CPU the compiled kernel
+    (``tier_cpu``) where it builds, the reference otherwise: the same bytes."""
+    run = quantize_function(k_buffer.device.type, use_triton)
     run(store, group_slots, k_buffer, v_buffer, token_slots, fmt)
+
+
+def quantize_function(device_type: str, use_triton: bool | None = None):
+    """What ``quantize_into`` runs for buffers on ``device_type``."""
+    if use_triton if use_triton is not None else device_type == "cuda":
+        return quantize_into_triton
+    if device_type == "cpu" and cpu_kernel_in_use():
+        return quantize_into_cpu
+    return quantize_into_reference
 
 
 def _kernel():

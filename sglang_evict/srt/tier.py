@@ -21,10 +21,12 @@ backend's output over each request's full-precision KV with the request's attent
 over its tier. The full side's log-sum-exp comes from the backend:
 
 - ``torch_native`` (SGLang's CPU engine) returns none, so it is computed again from the
-  same keys the backend read (``req_to_token[row, :seq_len]``: ``full_precision_lse``),
-  and the tier's side is the compiled CPU kernel (``tier_attention_cpu``, built when the
-  arena is allocated; ``tier_attention_torch`` where it cannot be built, said once in
-  the log and in ``get_server_info``'s ``tier.cpu_kernel``);
+  same keys the backend read (``req_to_token[row, :seq_len]``). Where the compiled CPU
+  kernels load (built when the arena is allocated), one call per layer does it all:
+  the tier's attention, that log-sum-exp read from the pool where the keys lie, and the
+  merge (``tier_decode_merge_cpu``; ``merged_by`` in ``get_server_info``'s ``tier``).
+  Where they cannot be built, tensor operations do (``full_precision_lse``,
+  ``tier_attention_torch``), said once in the log and in ``tier.cpu_kernel``;
 - ``triton`` decodes split-KV in two stages, and stage 1 leaves each split's
   log-sum-exp in ``forward_metadata.attn_lse``: the full side's is their log-sum-exp over
   the splits stage 2 reduced (``split_kv_lse``; static shapes, no host read, so it can
@@ -324,6 +326,8 @@ def merge_decode(o, q, layer, forward_batch, arena, backend):
     table = arena.row_table[rows]
     if host_reads:
         table = table[:, : int(counts.max())]
+        if STATE.cpu_kernel == "compiled" and layer.v_head_dim == d:
+            return merged_by_cpu_kernel(o, queries, layer, forward_batch, arena, backend, table)
         tier_attention = STATE.cpu_attention or tier_attention_torch
     else:
         from sglang_evict_kernels.tier_attention import tier_attention_triton as tier_attention
@@ -347,22 +351,49 @@ def merge_decode(o, q, layer, forward_batch, arena, backend):
     return merged.to(o.dtype).reshape(o.shape)
 
 
+def merged_by_cpu_kernel(o, queries, layer, forward_batch, arena, backend, table):
+    """``merge_decode``'s result on SGLang's CPU engine in one compiled call per layer
+    (``tier_decode_merge_cpu``: the tier's attention, the full side's log-sum-exp read
+    from the pool where the keys lie, the merge), instead of a few dozen tensor
+    operations; the same result as the tensor path to float32 rounding."""
+    from sglang_evict_kernels.tier_cpu import tier_decode_merge_cpu
+
+    merged = tier_decode_merge_cpu(
+        queries,
+        o.reshape(queries.shape[0], -1),
+        backend.token_to_kv_pool.get_key_buffer(layer.layer_id),
+        backend.req_to_token_pool.req_to_token,
+        forward_batch.req_pool_indices,
+        forward_batch.seq_lens,
+        arena.stores[layer.layer_id],
+        table,
+        arena.row_counts[forward_batch.req_pool_indices],
+        arena.fmt,
+        sm_scale=layer.scaling,
+    )
+    STATE.calls["decode_merged"] += 1
+    STATE.merged_by = "tier_decode_merge_cpu"
+    return merged.reshape(o.shape)
+
+
 def full_precision_lse(queries, layer, forward_batch, backend):
     """float32 ``[B, Hq]``: the log-sum-exp of each query's scores over the keys
     ``backend`` attended, ``req_to_token[row, :seq_len]`` (the new token's included)."""
+    from sglang_evict_kernels.tier_attention import full_precision_lse_reference
+
     seq_lens = forward_batch.seq_lens
     width = int(forward_batch.seq_lens_cpu.max()) if forward_batch.seq_lens_cpu is not None else 0
     if width == 0:
         width = int(seq_lens.max())
-    slots = backend.req_to_token_pool.req_to_token[forward_batch.req_pool_indices, :width]
-    keys = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)[slots.long()]  # [B, L, H, D]
-    b, hq, d = queries.shape
-    h = layer.tp_k_head_num
-    grouped = queries.float().reshape(b, h, hq // h, d)  # GQA: no copy of keys per q head
-    scores = torch.matmul(grouped, keys.float().permute(0, 2, 3, 1)) * layer.scaling
-    live = torch.arange(width, device=seq_lens.device)[None, :] < seq_lens[:, None]
-    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
-    return torch.logsumexp(scores, dim=-1).reshape(b, hq)
+    return full_precision_lse_reference(
+        queries,
+        backend.token_to_kv_pool.get_key_buffer(layer.layer_id),
+        backend.req_to_token_pool.req_to_token,
+        forward_batch.req_pool_indices,
+        seq_lens,
+        layer.scaling,
+        width=width,
+    )
 
 
 @functools.cache

@@ -16,6 +16,15 @@
 // full-precision rows. The vectors are GCC's and Clang's vector extension, so the build
 // needs one of the two. Layouts: tier_format.py's module docstring; every tensor
 // contiguous (checked by the Python launcher).
+//
+// tier_decode_merge is SGLang's CPU decode step with the tier in one call per layer:
+// per (request, KV head) the attention above, the log-sum-exp of the request's scores
+// over its full-precision keys read where they lie in the pool (req_to_token[row,
+// :seq_len], an online sum), and the log-sum-exp merge with SGLang's own output
+// (tier_attention.decode_merge_reference is the reference). This module also binds
+// tier_quantize (tier_quantize_cpu.cpp).
+#include "tier_cpu_common.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -27,31 +36,8 @@
 #include <limits>
 #include <vector>
 
+namespace sglang_evict_tier {
 namespace {
-
-// ``n`` floats from a tensor's elements of dtype ``type`` (the tier's scale dtypes and
-// the full-precision dtypes of outlier rows).
-inline void load_floats(const void* src, c10::ScalarType type, int64_t offset, int n, float* out) {
-  switch (type) {
-    case c10::ScalarType::Float: {
-      const float* p = static_cast<const float*>(src) + offset;
-      for (int i = 0; i < n; ++i) out[i] = p[i];
-      break;
-    }
-    case c10::ScalarType::Half: {
-      const c10::Half* p = static_cast<const c10::Half*>(src) + offset;
-      for (int i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
-      break;
-    }
-    case c10::ScalarType::BFloat16: {
-      const c10::BFloat16* p = static_cast<const c10::BFloat16*>(src) + offset;
-      for (int i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
-      break;
-    }
-    default:
-      TORCH_CHECK(false, "tier CPU kernel: unsupported dtype ", type);
-  }
-}
 
 // exp(x) for the softmax's x <= 0, in operations a loop over tokens vectorizes (Cephes'
 // expf polynomial on [-ln2/2, ln2/2], relative error about 1e-7); below -87 it returns
@@ -141,27 +127,6 @@ struct Scratch {
     outlier_of.resize(G);
   }
 };
-
-// Fixed-width vectors (GCC's and Clang's vector extension: one AVX-512 register, two
-// AVX2 ones or four NEON ones, as the machine has), loaded and stored unaligned.
-template <typename T, int N>
-struct VecOf {
-  typedef T type __attribute__((vector_size(N * sizeof(T))));
-};
-template <typename T, int N>
-using Vec = typename VecOf<T, N>::type;
-
-template <typename T, int N>
-inline Vec<T, N> load_vec(const T* p) {
-  Vec<T, N> v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-template <typename T, int N>
-inline void store_vec(T* p, Vec<T, N> v) {
-  std::memcpy(p, &v, sizeof v);
-}
 
 // scores[t] = bias + sum_i a[i] * key_t[i * g + t] for t < g, TB tokens at a time held
 // in a register over the channels.
@@ -320,16 +285,25 @@ void attend_bits(const Inputs& in, int64_t bits, int64_t row, int64_t head, Scra
   }
 }
 
-std::vector<torch::Tensor> tier_attention(
-    torch::Tensor q, torch::Tensor table, torch::Tensor counts, torch::Tensor k_codes,
-    torch::Tensor k_scale, torch::Tensor k_zero, torch::Tensor v_codes, torch::Tensor v_scale,
-    torch::Tensor v_zero, torch::Tensor out_index, torch::Tensor out_k, torch::Tensor out_v,
-    int64_t bits, int64_t group_channels, double sm_scale) {
+}  // namespace
+
+namespace {
+
+// The inputs both entry points share: the queries, the group table and counts, the store.
+Inputs attention_inputs(const torch::Tensor& q, const torch::Tensor& table,
+                        const torch::Tensor& counts, const torch::Tensor& k_codes,
+                        const torch::Tensor& k_scale, const torch::Tensor& k_zero,
+                        const torch::Tensor& v_codes, const torch::Tensor& v_scale,
+                        const torch::Tensor& v_zero, const torch::Tensor& out_index,
+                        const torch::Tensor& out_k, const torch::Tensor& out_v, int64_t bits,
+                        int64_t group_channels, double sm_scale) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3,
               "tier CPU kernel: queries must be contiguous float32 [B, HQ, D]");
   TORCH_CHECK(table.scalar_type() == torch::kInt64 && counts.scalar_type() == torch::kInt64,
               "tier CPU kernel: the group table and counts must be int64");
   TORCH_CHECK(out_index.scalar_type() == torch::kInt16, "tier CPU kernel: out_index must be int16");
+  TORCH_CHECK(bits == 2 || bits == 3 || bits == 4 || bits == 8,
+              "tier CPU kernel: ", bits, " bits not supported");
   Inputs in;
   in.b = q.size(0);
   in.hq = q.size(1);
@@ -352,8 +326,6 @@ std::vector<torch::Tensor> tier_attention(
   };
   TORCH_CHECK(readable(k_scale.scalar_type()) && readable(out_k.scalar_type()),
               "tier CPU kernel: scales and outlier rows must be float32, float16 or bfloat16");
-  auto o = torch::empty({in.b, in.hq, in.d}, q.options());
-  auto lse = torch::empty({in.b, in.hq}, q.options());
   in.q = q.data_ptr<float>();
   in.table = table.data_ptr<int64_t>();
   in.counts = counts.data_ptr<int64_t>();
@@ -369,26 +341,166 @@ std::vector<torch::Tensor> tier_attention(
   in.scale_type = k_scale.scalar_type();
   in.full_type = out_k.scalar_type();
   in.sm_scale = float(sm_scale);
-  in.o = o.data_ptr<float>();
-  in.lse = lse.data_ptr<float>();
-  auto task = [&](int64_t begin, int64_t end) {
-    Scratch scratch(in);
-    for (int64_t i = begin; i < end; ++i) {
-      if (in.d == 64)
-        attend_bits<8>(in, bits, i / in.h, i % in.h, scratch);
-      else
-        attend_bits<16>(in, bits, i / in.h, i % in.h, scratch);
+  return in;
+}
+
+inline void attend_task(const Inputs& in, int64_t bits, int64_t row, int64_t head, Scratch& s) {
+  if (in.d == 64)
+    attend_bits<8>(in, bits, row, head, s);
+  else
+    attend_bits<16>(in, bits, row, head, s);
+}
+
+// The full-precision side's inputs: the pool's keys and each request's slots.
+struct FullInputs {
+  const void* k;  // [T, H, D], the layer's key buffer
+  c10::ScalarType type;
+  const int32_t* req_to_token;  // [R, W]
+  const int64_t* rows;          // [B]: each request's row of req_to_token
+  const int64_t* lens;          // [B]: its keys, the new token's included
+  int64_t width;
+};
+
+// lse[p], p < P: the log-sum-exp of query head (head * P + p)'s scaled scores over the
+// keys of request ``row`` (req_to_token[rows[row], :lens[row]]), online over the tokens
+// (-inf for a request of no keys). ``key`` holds D floats, ``m`` and ``l`` P.
+void full_lse(const Inputs& in, const FullInputs& full, int64_t row, int64_t head, float* key,
+              float* m, float* l, float* lse) {
+  const int64_t P = in.hq / in.h, D = in.d, H = in.h;
+  const int32_t* slots = full.req_to_token + full.rows[row] * full.width;
+  std::fill(m, m + P, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + P, 0.f);
+  for (int64_t t = 0; t < full.lens[row]; ++t) {
+    load_floats(full.k, full.type, (int64_t(slots[t]) * H + head) * D, D, key);
+    for (int64_t p = 0; p < P; ++p) {
+      const float* q = in.q + (row * in.hq + head * P + p) * D;
+      Vec<float, 16> part{};
+      for (int64_t i = 0; i < D; i += 16)
+        part += load_vec<float, 16>(q + i) * load_vec<float, 16>(key + i);
+      float dot = 0.f;
+      for (int j = 0; j < 16; ++j) dot += part[j];
+      const float score = dot * in.sm_scale;
+      if (score > m[p]) {
+        l[p] = l[p] * std::exp(m[p] - score) + 1.f;
+        m[p] = score;
+      } else {
+        l[p] += std::exp(score - m[p]);
+      }
     }
-  };
-  TORCH_CHECK(bits == 2 || bits == 3 || bits == 4 || bits == 8,
-              "tier CPU kernel: ", bits, " bits not supported");
-  at::parallel_for(0, in.b * in.h, 1, task);
-  return {o, lse};
+  }
+  for (int64_t p = 0; p < P; ++p)
+    lse[p] = l[p] > 0.f ? m[p] + std::log(l[p]) : -std::numeric_limits<float>::infinity();
 }
 
 }  // namespace
 
+std::vector<torch::Tensor> tier_attention(
+    torch::Tensor q, torch::Tensor table, torch::Tensor counts, torch::Tensor k_codes,
+    torch::Tensor k_scale, torch::Tensor k_zero, torch::Tensor v_codes, torch::Tensor v_scale,
+    torch::Tensor v_zero, torch::Tensor out_index, torch::Tensor out_k, torch::Tensor out_v,
+    int64_t bits, int64_t group_channels, double sm_scale) {
+  Inputs in = attention_inputs(q, table, counts, k_codes, k_scale, k_zero, v_codes, v_scale,
+                               v_zero, out_index, out_k, out_v, bits, group_channels, sm_scale);
+  auto o = torch::empty({in.b, in.hq, in.d}, q.options());
+  auto lse = torch::empty({in.b, in.hq}, q.options());
+  in.o = o.data_ptr<float>();
+  in.lse = lse.data_ptr<float>();
+  at::parallel_for(0, in.b * in.h, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(in);
+    for (int64_t i = begin; i < end; ++i) attend_task(in, bits, i / in.h, i % in.h, scratch);
+  });
+  return {o, lse};
+}
+
+torch::Tensor tier_decode_merge(
+    torch::Tensor q, torch::Tensor o_full, torch::Tensor k_buffer, torch::Tensor req_to_token,
+    torch::Tensor rows, torch::Tensor lens, torch::Tensor table, torch::Tensor counts,
+    torch::Tensor k_codes, torch::Tensor k_scale, torch::Tensor k_zero, torch::Tensor v_codes,
+    torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor out_index, torch::Tensor out_k,
+    torch::Tensor out_v, int64_t bits, int64_t group_channels, double sm_scale) {
+  Inputs in = attention_inputs(q, table, counts, k_codes, k_scale, k_zero, v_codes, v_scale,
+                               v_zero, out_index, out_k, out_v, bits, group_channels, sm_scale);
+  const int64_t B = in.b, HQ = in.hq, D = in.d, H = in.h, P = in.hq / in.h;
+  TORCH_CHECK(o_full.is_contiguous() && o_full.numel() == B * HQ * D &&
+                  (o_full.scalar_type() == torch::kFloat32 ||
+                   o_full.scalar_type() == torch::kFloat16 ||
+                   o_full.scalar_type() == torch::kBFloat16),
+              "tier CPU decode merge: the full side's output must be contiguous float [B, HQ * D]");
+  TORCH_CHECK(k_buffer.is_contiguous() && k_buffer.dim() == 3 && k_buffer.size(1) == H &&
+                  k_buffer.size(2) == D,
+              "tier CPU decode merge: the key buffer must be contiguous [tokens, ", H, ", ", D, "]");
+  TORCH_CHECK(req_to_token.scalar_type() == torch::kInt32 && req_to_token.is_contiguous() &&
+                  req_to_token.dim() == 2,
+              "tier CPU decode merge: req_to_token must be contiguous int32 [rows, width]");
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64 &&
+                  rows.numel() == B && lens.numel() == B,
+              "tier CPU decode merge: rows and lens must be int64 [", B, "]");
+  FullInputs full;
+  full.k = k_buffer.data_ptr();
+  full.type = k_buffer.scalar_type();
+  full.req_to_token = req_to_token.data_ptr<int32_t>();
+  full.rows = rows.data_ptr<int64_t>();
+  full.lens = lens.data_ptr<int64_t>();
+  full.width = req_to_token.size(1);
+  const int64_t tokens = k_buffer.size(0);
+  for (int64_t r = 0; r < B; ++r) {  // every key the tasks will read, checked first
+    if (in.counts[r] <= 0) continue;
+    TORCH_CHECK(full.rows[r] >= 0 && full.rows[r] < req_to_token.size(0) && full.lens[r] >= 0 &&
+                    full.lens[r] <= full.width,
+                "tier CPU decode merge: request ", r, " names row ", full.rows[r], " of ",
+                full.lens[r], " tokens outside req_to_token");
+    const int32_t* slots = full.req_to_token + full.rows[r] * full.width;
+    for (int64_t t = 0; t < full.lens[r]; ++t)
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < tokens, "tier CPU decode merge: request ", r,
+                  " token ", t, " names slot ", slots[t], " of a pool of ", tokens);
+  }
+  auto o_tier = torch::empty({B, HQ, D}, q.options());
+  auto lse_tier = torch::empty({B, HQ}, q.options());
+  auto merged = torch::empty_like(o_full);
+  in.o = o_tier.data_ptr<float>();
+  in.lse = lse_tier.data_ptr<float>();
+  const c10::ScalarType out_type = o_full.scalar_type();
+  const void* src = o_full.data_ptr();
+  void* dst = merged.data_ptr();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(in);
+    std::vector<float> key(D), m(P), l(P), lse_full(P), row_full(D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = i / H, head = i % H, first = (row * HQ + head * P) * D;
+      if (in.counts[row] <= 0) {  // no tier: SGLang's output as it is
+        std::memcpy(static_cast<char*>(dst) + first * merged.element_size(),
+                    static_cast<const char*>(src) + first * merged.element_size(),
+                    P * D * merged.element_size());
+        continue;
+      }
+      attend_task(in, bits, row, head, scratch);
+      full_lse(in, full, row, head, key.data(), m.data(), l.data(), lse_full.data());
+      for (int64_t p = 0; p < P; ++p) {
+        // merge_attention_states: the softmax over both sides' tokens
+        const int64_t qh = row * HQ + head * P + p;
+        const float la = lse_full[p], lb = in.lse[qh];
+        const float mx = std::max(la, lb);
+        const bool finite = std::isfinite(mx);
+        const float base = finite ? mx : 0.f;
+        const float wa = std::exp(la - base), wb = std::exp(lb - base);
+        const float denom = finite ? wa + wb : 1.f;
+        load_floats(src, out_type, qh * D, D, row_full.data());
+        const float* ob = in.o + qh * D;
+        for (int64_t c = 0; c < D; ++c)
+          store_float(dst, out_type, qh * D + c, (row_full[c] * wa + ob[c] * wb) / denom);
+      }
+    }
+  });
+  return merged;
+}
+
+}  // namespace sglang_evict_tier
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("tier_attention", &tier_attention,
+  m.def("tier_attention", &sglang_evict_tier::tier_attention,
         "Decode attention over the quantized tier (float32 o, lse), on CPU");
+  m.def("tier_decode_merge", &sglang_evict_tier::tier_decode_merge,
+        "SGLang's decode output merged with the tier's attention (log-sum-exp), on CPU");
+  m.def("tier_quantize", &sglang_evict_tier::tier_quantize,
+        "Quantize-and-pack groups of tokens into the tier's store, on CPU (tier_quantize_cpu.cpp)");
 }
