@@ -338,6 +338,7 @@ def main(argv=None) -> int:
         flush=True,
     )
     log_dir = Path(args.log_dir) if args.log_dir else Path.cwd()
+    log_dir.mkdir(parents=True, exist_ok=True)
     rows, series, outputs = {}, {}, {}
     for name, plan in plans.items():
         log_path = log_dir / f"bench-memory-bound-{name}.log"

@@ -74,10 +74,10 @@ def test_engine_script_help_runs_without_a_gpu():
     assert result.returncode == 0 and "--page-size" in result.stdout
 
 
-def smoke_table(script: str) -> tuple[str, str]:
+def smoke_table(script: str, *extra: str) -> tuple[str, str]:
     """The header and the one row a kernel bench's ``--smoke`` run prints last."""
     result = subprocess.run(
-        [sys.executable, str(BENCHES / script), "--smoke"],
+        [sys.executable, str(BENCHES / script), "--smoke", *extra],
         capture_output=True,
         text=True,
         timeout=300,
@@ -100,18 +100,27 @@ def test_tier_bench_runs_its_smoke_configuration_on_cpu():
     assert "attn/copy" in header and len(row.split()) == 9 + len(variants)
 
 
-def test_tier_cpu_bench_runs_its_smoke_configuration():
-    """``bench_tier_cpu.py --smoke``: the compiled kernel, the tensor form and SDPA on one
-    small configuration; one row with both ratios."""
+TIER_CPU_PARTS = {  # part: (words of its header, its row's leading cells, cells in all)
+    "attention": (("kernel/SDPA", "tensor/kernel"), ["smollm2", "3", "2", "64", "1"], 10),
+    "merge": (("split/fused", "tensor/fused"), ["smollm2", "3", "2", "64", "16", "1"], 11),
+    "quantize": (("reference/kernel",), ["smollm2", "1", "1"], 6),
+}
+
+
+@pytest.mark.parametrize("part", sorted(TIER_CPU_PARTS))
+def test_tier_cpu_bench_runs_its_smoke_configuration(part):
+    """``bench_tier_cpu.py --smoke --part P``: each part's compiled kernel beside what it
+    replaces on one small configuration; one row with its ratios."""
     from sglang_evict_kernels.tier_cpu import cpu_kernel_status
 
     if not cpu_kernel_status()[0]:
         pytest.skip(f"the tier's CPU kernel: {cpu_kernel_status()[1]}")
-    header, row = smoke_table("bench_tier_cpu.py")
-    assert "kernel/SDPA" in header and "tensor/kernel" in header
+    header, row = smoke_table("bench_tier_cpu.py", "--part", part)
+    words, lead, width = TIER_CPU_PARTS[part]
+    assert all(word in header for word in words), header
     cells = row.split()
-    assert cells[:5] == ["smollm2", "3", "2", "64", "1"] and len(cells) == 10
-    assert all(float(c) > 0 for c in cells[5:]), row
+    assert cells[: len(lead)] == lead and len(cells) == width, row
+    assert all(float(c) > 0 for c in cells[len(lead) :]), row
 
 
 @pytest.mark.parametrize("strategy", ["hole_fill", "repack"])

@@ -326,8 +326,18 @@ def merge_decode(o, q, layer, forward_batch, arena, backend):
     table = arena.row_table[rows]
     if host_reads:
         table = table[:, : int(counts.max())]
-        if STATE.cpu_kernel == "compiled" and layer.v_head_dim == d:
-            return merged_by_cpu_kernel(o, queries, layer, forward_batch, arena, backend, table)
+        k_buffer = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        req_to_token = backend.req_to_token_pool.req_to_token
+        if (
+            STATE.cpu_kernel == "compiled"
+            and layer.v_head_dim == d
+            and k_buffer.dtype in _CPU_KERNEL_DTYPES
+            and o.dtype in _CPU_KERNEL_DTYPES
+            and req_to_token.dtype == torch.int32
+        ):
+            return merged_by_cpu_kernel(
+                o, queries, layer, forward_batch, arena, k_buffer, req_to_token, table
+            )
         tier_attention = STATE.cpu_attention or tier_attention_torch
     else:
         from sglang_evict_kernels.tier_attention import tier_attention_triton as tier_attention
@@ -351,7 +361,12 @@ def merge_decode(o, q, layer, forward_batch, arena, backend):
     return merged.to(o.dtype).reshape(o.shape)
 
 
-def merged_by_cpu_kernel(o, queries, layer, forward_batch, arena, backend, table):
+# What the compiled merge reads (an fp8 pool takes the tensor path, which upcasts;
+# SGLang's req_to_token is int32).
+_CPU_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def merged_by_cpu_kernel(o, queries, layer, forward_batch, arena, k_buffer, req_to_token, table):
     """``merge_decode``'s result on SGLang's CPU engine in one compiled call per layer
     (``tier_decode_merge_cpu``: the tier's attention, the full side's log-sum-exp read
     from the pool where the keys lie, the merge), instead of a few dozen tensor
@@ -361,8 +376,8 @@ def merged_by_cpu_kernel(o, queries, layer, forward_batch, arena, backend, table
     merged = tier_decode_merge_cpu(
         queries,
         o.reshape(queries.shape[0], -1),
-        backend.token_to_kv_pool.get_key_buffer(layer.layer_id),
-        backend.req_to_token_pool.req_to_token,
+        k_buffer,
+        req_to_token,
         forward_batch.req_pool_indices,
         forward_batch.seq_lens,
         arena.stores[layer.layer_id],

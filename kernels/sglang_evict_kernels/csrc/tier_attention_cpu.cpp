@@ -361,35 +361,53 @@ struct FullInputs {
   int64_t width;
 };
 
+// A task's buffers for the full side (full_lse).
+struct FullScratch {
+  static constexpr int64_t kBlock = 16;  // tokens whose scores share a register
+  std::vector<float> qv, key_t, row, sc, m, l;
+  explicit FullScratch(const Inputs& in)
+      : qv(in.hq / in.h * in.d), key_t(in.d * kBlock), row(in.d), sc(kBlock),
+        m(in.hq / in.h), l(in.hq / in.h) {}
+};
+
 // lse[p], p < P: the log-sum-exp of query head (head * P + p)'s scaled scores over the
-// keys of request ``row`` (req_to_token[rows[row], :lens[row]]), online over the tokens
-// (-inf for a request of no keys). ``key`` holds D floats, ``m`` and ``l`` P.
-void full_lse(const Inputs& in, const FullInputs& full, int64_t row, int64_t head, float* key,
-              float* m, float* l, float* lse) {
-  const int64_t P = in.hq / in.h, D = in.d, H = in.h;
+// keys of request ``row`` (req_to_token[rows[row], :lens[row]]; -inf for none). Blocks
+// of 16 tokens: the block's keys transposed (key_t[channel * 16 + token]) so that
+// key_scores holds the 16 scores in a register over the channels (the scale folded
+// into the query), then an online log-sum-exp over the blocks.
+void full_lse(const Inputs& in, const FullInputs& full, int64_t row, int64_t head,
+              FullScratch& f, float* lse) {
+  constexpr int64_t TB = FullScratch::kBlock;
+  const int64_t P = in.hq / in.h, D = in.d, H = in.h, len = full.lens[row];
   const int32_t* slots = full.req_to_token + full.rows[row] * full.width;
-  std::fill(m, m + P, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + P, 0.f);
-  for (int64_t t = 0; t < full.lens[row]; ++t) {
-    load_floats(full.k, full.type, (int64_t(slots[t]) * H + head) * D, D, key);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < P; ++p) {
+    const float* q = in.q + (row * in.hq + head * P + p) * D;
+    for (int64_t i = 0; i < D; ++i) f.qv[p * D + i] = q[i] * in.sm_scale;
+    f.m[p] = neg_inf;
+    f.l[p] = 0.f;
+  }
+  for (int64_t t0 = 0; t0 < len; t0 += TB) {
+    const int64_t n = std::min(TB, len - t0);
+    for (int64_t t = 0; t < TB; ++t) {
+      if (t < n)
+        load_floats(full.k, full.type, (int64_t(slots[t0 + t]) * H + head) * D, D, f.row.data());
+      else
+        std::fill(f.row.begin(), f.row.end(), 0.f);  // past the request's keys: not counted
+      for (int64_t i = 0; i < D; ++i) f.key_t[i * TB + t] = f.row[i];
+    }
     for (int64_t p = 0; p < P; ++p) {
-      const float* q = in.q + (row * in.hq + head * P + p) * D;
-      Vec<float, 16> part{};
-      for (int64_t i = 0; i < D; i += 16)
-        part += load_vec<float, 16>(q + i) * load_vec<float, 16>(key + i);
-      float dot = 0.f;
-      for (int j = 0; j < 16; ++j) dot += part[j];
-      const float score = dot * in.sm_scale;
-      if (score > m[p]) {
-        l[p] = l[p] * std::exp(m[p] - score) + 1.f;
-        m[p] = score;
-      } else {
-        l[p] += std::exp(score - m[p]);
-      }
+      key_scores<TB>(f.qv.data() + p * D, f.key_t.data(), 0.f, D, TB, f.sc.data());
+      float top = f.m[p];
+      for (int64_t t = 0; t < n; ++t) top = std::max(top, f.sc[t]);
+      const float alpha = f.m[p] == neg_inf ? 0.f : std::exp(f.m[p] - top);
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) sum += exp_nonpositive(f.sc[t] - top);
+      f.l[p] = f.l[p] * alpha + sum;
+      f.m[p] = top;
     }
   }
-  for (int64_t p = 0; p < P; ++p)
-    lse[p] = l[p] > 0.f ? m[p] + std::log(l[p]) : -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < P; ++p) lse[p] = f.l[p] > 0.f ? f.m[p] + std::log(f.l[p]) : neg_inf;
 }
 
 }  // namespace
@@ -464,7 +482,8 @@ torch::Tensor tier_decode_merge(
   void* dst = merged.data_ptr();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(in);
-    std::vector<float> key(D), m(P), l(P), lse_full(P), row_full(D);
+    FullScratch fs(in);
+    std::vector<float> lse_full(P), row_full(D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / H, head = i % H, first = (row * HQ + head * P) * D;
       if (in.counts[row] <= 0) {  // no tier: SGLang's output as it is
@@ -474,7 +493,7 @@ torch::Tensor tier_decode_merge(
         continue;
       }
       attend_task(in, bits, row, head, scratch);
-      full_lse(in, full, row, head, key.data(), m.data(), l.data(), lse_full.data());
+      full_lse(in, full, row, head, fs, lse_full.data());
       for (int64_t p = 0; p < P; ++p) {
         // merge_attention_states: the softmax over both sides' tokens
         const int64_t qh = row * HQ + head * P + p;
