@@ -336,7 +336,7 @@ def merge_decode(o, q, layer, forward_batch, arena, backend):
             and req_to_token.dtype == torch.int32
         ):
             return merged_by_cpu_kernel(
-                o, queries, layer, forward_batch, arena, k_buffer, req_to_token, table
+                o, queries, layer, forward_batch, arena, k_buffer, req_to_token, table, counts
             )
         tier_attention = STATE.cpu_attention or tier_attention_torch
     else:
@@ -366,7 +366,9 @@ def merge_decode(o, q, layer, forward_batch, arena, backend):
 _CPU_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def merged_by_cpu_kernel(o, queries, layer, forward_batch, arena, k_buffer, req_to_token, table):
+def merged_by_cpu_kernel(
+    o, queries, layer, forward_batch, arena, k_buffer, req_to_token, table, counts
+):
     """``merge_decode``'s result on SGLang's CPU engine in one compiled call per layer
     (``tier_decode_merge_cpu``: the tier's attention, the full side's log-sum-exp read
     from the pool where the keys lie, the merge), instead of a few dozen tensor
@@ -382,7 +384,7 @@ def merged_by_cpu_kernel(o, queries, layer, forward_batch, arena, k_buffer, req_
         forward_batch.seq_lens,
         arena.stores[layer.layer_id],
         table,
-        arena.row_counts[forward_batch.req_pool_indices],
+        counts,
         arena.fmt,
         sm_scale=layer.scaling,
     )
