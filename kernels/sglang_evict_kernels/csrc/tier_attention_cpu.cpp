@@ -87,16 +87,7 @@ struct Inputs {
   const float* q;         // [B, HQ, D]
   const int64_t* table;   // [B, W]
   const int64_t* counts;  // [B]
-  const uint8_t* k_codes;  // [S, G, H, PD]
-  const void* k_scale;     // [S, H, D]
-  const void* k_zero;
-  const uint8_t* v_codes;  // [S, G, H, PD]
-  const void* v_scale;     // [S, G, H, NB]
-  const void* v_zero;
-  const int16_t* out_index;  // [S, H, NO]
-  const void* out_k;         // [S, H, NO, D]
-  const void* out_v;
-  c10::ScalarType scale_type, full_type;
+  StoreView st;  // read only here
   int64_t b, w, hq, h, d, g, c, no, pd, slots;
   float sm_scale;
   float* o;    // [B, HQ, D]
@@ -176,7 +167,7 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
                 " names slot ", slot, " of a store of ", in.slots);
     const int64_t sh = slot * H + head;
     const int64_t token_stride = H * in.pd;  // bytes from one token's row to the next's
-    const uint8_t* k_rows = in.k_codes + (slot * G * H + head) * in.pd;
+    const uint8_t* k_rows = in.st.k_codes + (slot * G * H + head) * in.pd;
     // keys, transposed: key_t[channel * G + token], a loop over tokens per channel
     for (int64_t c = 0; c < NC; ++c) {
       for (int64_t t = 0; t < G; ++t)
@@ -186,8 +177,8 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
         for (int64_t t = 0; t < G; ++t) col[t] = float((words[t] >> (BITS * j)) & kMask);
       }
     }
-    load_floats(in.k_scale, in.scale_type, sh * D, D, s.ks.data());
-    load_floats(in.k_zero, in.scale_type, sh * D, D, s.kz.data());
+    load_floats(in.st.k_scale, in.st.scale_type, sh * D, D, s.ks.data());
+    load_floats(in.st.k_zero, in.st.scale_type, sh * D, D, s.kz.data());
     for (int64_t p = 0; p < P; ++p) {
       float bias = 0.f;
       for (int64_t i = 0; i < D; ++i) {
@@ -202,10 +193,10 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
     }
     std::fill(s.outlier_of.begin(), s.outlier_of.end(), -1);
     for (int64_t n = 0; n < in.no; ++n) {
-      const int64_t t = in.out_index[sh * in.no + n];
+      const int64_t t = in.st.out_index[sh * in.no + n];
       if (t < 0 || t >= G) continue;
       s.outlier_of[t] = int(n);
-      load_floats(in.out_k, in.full_type, (sh * in.no + n) * D, D, s.full_row.data());
+      load_floats(in.st.out_k, in.st.full_type, (sh * in.no + n) * D, D, s.full_row.data());
       for (int64_t p = 0; p < P; ++p) {
         float score = 0.f;
         for (int64_t i = 0; i < D; ++i) score += s.qv[p * D + i] * s.full_row[i];
@@ -228,12 +219,12 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
     }
     // values: the group's rows dequantized in chunk order (code j of every chunk is one
     // vector over the chunks), then summed under the weights
-    const uint8_t* v_rows = in.v_codes + (slot * G * H + head) * in.pd;
+    const uint8_t* v_rows = in.st.v_codes + (slot * G * H + head) * in.pd;
     for (int64_t t = 0; t < G; ++t) {
       float* dst = s.vbuf.data() + t * D;
       const int n = s.outlier_of[t];
       if (n >= 0) {
-        load_floats(in.out_v, in.full_type, (sh * in.no + n) * D, D, s.full_row.data());
+        load_floats(in.st.out_v, in.st.full_type, (sh * in.no + n) * D, D, s.full_row.data());
         for (int j = 0; j < 8; ++j)
           for (int c = 0; c < NC; ++c) dst[j * NC + c] = s.full_row[c * 8 + j];
         continue;
@@ -244,8 +235,8 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
       W vw;
       for (int c = 0; c < NC; ++c) vw[c] = row_chunk_word<BITS>(v_row, c, NC);
       const int64_t tok = (slot * G + t) * H + head;
-      load_floats(in.v_scale, in.scale_type, tok * NB, NB, s.vs.data());
-      load_floats(in.v_zero, in.scale_type, tok * NB, NB, s.vz.data());
+      load_floats(in.st.v_scale, in.st.scale_type, tok * NB, NB, s.vs.data());
+      load_floats(in.st.v_zero, in.st.scale_type, tok * NB, NB, s.vz.data());
       F scale, zero;
       for (int64_t b = 0, c = 0; b < NB; ++b)
         for (int64_t k = 0; k < CB; ++k, ++c) {
@@ -329,17 +320,7 @@ Inputs attention_inputs(const torch::Tensor& q, const torch::Tensor& table,
   in.q = q.data_ptr<float>();
   in.table = table.data_ptr<int64_t>();
   in.counts = counts.data_ptr<int64_t>();
-  in.k_codes = k_codes.data_ptr<uint8_t>();
-  in.v_codes = v_codes.data_ptr<uint8_t>();
-  in.k_scale = k_scale.data_ptr();
-  in.k_zero = k_zero.data_ptr();
-  in.v_scale = v_scale.data_ptr();
-  in.v_zero = v_zero.data_ptr();
-  in.out_index = out_index.data_ptr<int16_t>();
-  in.out_k = out_k.data_ptr();
-  in.out_v = out_v.data_ptr();
-  in.scale_type = k_scale.scalar_type();
-  in.full_type = out_k.scalar_type();
+  in.st = store_view(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, out_index, out_k, out_v);
   in.sm_scale = float(sm_scale);
   return in;
 }

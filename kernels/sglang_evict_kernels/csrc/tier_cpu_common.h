@@ -85,6 +85,32 @@ std::vector<at::Tensor> tier_attention(
     at::Tensor out_index, at::Tensor out_k, at::Tensor out_v, int64_t bits,
     int64_t group_channels, double sm_scale);
 
+// The store's tensors as pointers (tier_format.py's layout; the kernels' launchers check
+// that they are contiguous), and the dtypes of its scales and outlier rows.
+struct StoreView {
+  uint8_t* k_codes;  // [S, G, H, PD]
+  void* k_scale;     // [S, H, D]
+  void* k_zero;
+  uint8_t* v_codes;  // [S, G, H, PD]
+  void* v_scale;     // [S, G, H, NB]
+  void* v_zero;
+  int16_t* out_index;  // [S, H, NO]
+  void* out_k;         // [S, H, NO, D]
+  void* out_v;
+  c10::ScalarType scale_type, full_type;
+};
+
+inline StoreView store_view(const at::Tensor& k_codes, const at::Tensor& k_scale,
+                            const at::Tensor& k_zero, const at::Tensor& v_codes,
+                            const at::Tensor& v_scale, const at::Tensor& v_zero,
+                            const at::Tensor& out_index, const at::Tensor& out_k,
+                            const at::Tensor& out_v) {
+  return StoreView{k_codes.data_ptr<uint8_t>(), k_scale.data_ptr(),  k_zero.data_ptr(),
+                   v_codes.data_ptr<uint8_t>(), v_scale.data_ptr(),  v_zero.data_ptr(),
+                   out_index.data_ptr<int16_t>(), out_k.data_ptr(), out_v.data_ptr(),
+                   k_scale.scalar_type(),       out_k.scalar_type()};
+}
+
 at::Tensor tier_decode_merge(
     at::Tensor q, at::Tensor o_full, at::Tensor k_buffer, at::Tensor req_to_token,
     at::Tensor rows, at::Tensor lens, at::Tensor table, at::Tensor counts, at::Tensor k_codes,

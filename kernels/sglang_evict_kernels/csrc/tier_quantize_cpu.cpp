@@ -30,16 +30,8 @@ struct QuantInputs {
   const void* v;
   const int64_t* token_slots;  // [N, G]
   const int64_t* group_slots;  // [N]
-  uint8_t* k_codes;            // [S, G, H, PD]
-  void* k_scale;               // [S, H, D]
-  void* k_zero;
-  uint8_t* v_codes;  // [S, G, H, PD]
-  void* v_scale;     // [S, G, H, NB]
-  void* v_zero;
-  int16_t* out_index;  // [S, H, NO]
-  void* out_k;         // [S, H, NO, D]
-  void* out_v;
-  c10::ScalarType buffer_type, scale_type, full_type;
+  StoreView st;
+  c10::ScalarType buffer_type;
   int64_t n, g, h, d, c, no, pd, bits;
 };
 
@@ -122,10 +114,10 @@ void quantize_group(const QuantInputs& in, int64_t group, int64_t head, QuantScr
   for (int64_t t = 0, o = 0; t < G; ++t) {
     if (!s.is_out[t]) continue;
     const int64_t at = (slot * H + head) * NO + o++;
-    in.out_index[at] = static_cast<int16_t>(t);
+    in.st.out_index[at] = static_cast<int16_t>(t);
     for (int64_t i = 0; i < D; ++i) {
-      store_float(in.out_k, in.full_type, at * D + i, s.kf[t * D + i]);
-      store_float(in.out_v, in.full_type, at * D + i, s.vf[t * D + i]);
+      store_float(in.st.out_k, in.st.full_type, at * D + i, s.kf[t * D + i]);
+      store_float(in.st.out_v, in.st.full_type, at * D + i, s.vf[t * D + i]);
     }
   }
   // Keys per channel over the group's other tokens.
@@ -142,12 +134,12 @@ void quantize_group(const QuantInputs& in, int64_t group, int64_t head, QuantScr
   }
   const int64_t kbase = (slot * H + head) * D;
   for (int64_t i = 0; i < D; ++i) {
-    s.ks[i] = store_float(in.k_scale, in.scale_type, kbase + i, (s.hi[i] - s.lo[i]) / levels);
-    s.kz[i] = store_float(in.k_zero, in.scale_type, kbase + i, s.lo[i]);
+    s.ks[i] = store_float(in.st.k_scale, in.st.scale_type, kbase + i, (s.hi[i] - s.lo[i]) / levels);
+    s.kz[i] = store_float(in.st.k_zero, in.st.scale_type, kbase + i, s.lo[i]);
   }
   for (int64_t t = 0; t < G; ++t) {
     encode_row(s.kf.data() + t * D, s.ks.data(), s.kz.data(), D, levels, s.codes.data());
-    pack_row(s.codes.data(), D, in.bits, in.k_codes + ((slot * G + t) * H + head) * in.pd);
+    pack_row(s.codes.data(), D, in.bits, in.st.k_codes + ((slot * G + t) * H + head) * in.pd);
   }
   // Values per token and block of C channels.
   for (int64_t t = 0; t < G; ++t) {
@@ -166,13 +158,13 @@ void quantize_group(const QuantInputs& in, int64_t group, int64_t head, QuantScr
         hi = hi8[j] > hi ? hi8[j] : hi;
       }
       const int64_t at = ((slot * G + t) * H + head) * NB + b;
-      const float scale = store_float(in.v_scale, in.scale_type, at, (hi - lo) / levels);
-      const float zero = store_float(in.v_zero, in.scale_type, at, lo);
+      const float scale = store_float(in.st.v_scale, in.st.scale_type, at, (hi - lo) / levels);
+      const float zero = store_float(in.st.v_zero, in.st.scale_type, at, lo);
       std::fill(s.vs.begin() + b * C, s.vs.begin() + (b + 1) * C, scale);
       std::fill(s.vz.begin() + b * C, s.vz.begin() + (b + 1) * C, zero);
     }
     encode_row(x, s.vs.data(), s.vz.data(), D, levels, s.codes.data());
-    pack_row(s.codes.data(), D, in.bits, in.v_codes + ((slot * G + t) * H + head) * in.pd);
+    pack_row(s.codes.data(), D, in.bits, in.st.v_codes + ((slot * G + t) * H + head) * in.pd);
   }
 }
 
@@ -232,18 +224,8 @@ void tier_quantize(at::Tensor k_buffer, at::Tensor v_buffer, at::Tensor token_sl
   in.v = v_buffer.data_ptr();
   in.token_slots = ts;
   in.group_slots = gs;
-  in.k_codes = k_codes.data_ptr<uint8_t>();
-  in.v_codes = v_codes.data_ptr<uint8_t>();
-  in.k_scale = k_scale.data_ptr();
-  in.k_zero = k_zero.data_ptr();
-  in.v_scale = v_scale.data_ptr();
-  in.v_zero = v_zero.data_ptr();
-  in.out_index = out_index.data_ptr<int16_t>();
-  in.out_k = out_k.data_ptr();
-  in.out_v = out_v.data_ptr();
+  in.st = store_view(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, out_index, out_k, out_v);
   in.buffer_type = k_buffer.scalar_type();
-  in.scale_type = k_scale.scalar_type();
-  in.full_type = out_k.scalar_type();
   // A task takes a few microseconds (G x D elements, about 8 us at 32 x 64 here) and a
   // pass quantizes a few groups a layer: a parallel region would cost more than it
   // saves (and waits for a busy core), so threads split only passes of 64 tasks or more.
