@@ -52,6 +52,8 @@ MIN_KUBE_VERSION_DRA = "1.34"
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 OTLP = "otel-collector.observability:4317"
 EXTERNAL_REDIS = "redis://redis.infra:6379/0"
+# What a release with the tier adds to sglang.extraArgs (eviction.tier in values.yaml).
+TIER_BACKEND = ["--attention-backend", "torch_native"]
 
 # Metric names SGLang's /metrics carries for the plugin (sglang_evict/metrics.py), plus the
 # compactor-health series the scheduler exports.
@@ -441,6 +443,51 @@ def test_replicas_sharing_redis_use_one_lease_namespace_per_pod(render, placemen
         ({"sglang": {"extraArgs": ["--kv-budget", "10"]}}, "--kv-budget is set by the chart"),
         ({"sglang": {"extraArgs": ["--tp-size=2"]}}, "--tp-size is set by the chart"),
         (
+            {"sglang": {"extraArgs": ["--kv-lease-store", "redis"]}},
+            "--kv-lease-store is set by the chart",
+        ),
+        (
+            {"sglang": {"extraArgs": ["--kv-compactor-address=127.0.0.1:1"]}},
+            "--kv-compactor-address: the chart runs and connects the compactor",
+        ),
+        (
+            {"sglang": {"extraArgs": ["--kv-redis-url", "redis://r:6379/0"]}},
+            "--kv-redis-url: the Redis URL is a secret and never goes on a command line",
+        ),
+        ({"sglang": {"extraArgs": ["--kv-evict-prompt"]}}, "--kv-evict-prompt is set by"),
+        (
+            {"sglang": {"extraArgs": ["--kv-tier-outliers", "2"]}},
+            "--kv-tier-outliers without eviction.tier.bits: no tier runs without its bits",
+        ),
+        (
+            {"eviction": {"tier": {"bits": 3}}, "sglang": {"extraArgs": TIER_BACKEND}},
+            "eviction.tier.bits with compactor.enabled: the compactor sidecar does not "
+            "quantize yet",
+        ),
+        (
+            {"eviction": {"tier": {"bits": 3}}, "compactor": {"enabled": False}},
+            "eviction.tier.bits with SGLang's default attention backend: on a GPU the tier's "
+            "attention merges with SGLang's torch_native backend only (its merge with triton "
+            'has not run on a GPU yet); add "--attention-backend", "torch_native"',
+        ),
+        (
+            {
+                "eviction": {"tier": {"bits": 3}},
+                "compactor": {"enabled": False},
+                "sglang": {"extraArgs": ["--attention-backend=triton"]},
+            },
+            "eviction.tier.bits with --attention-backend triton:",
+        ),
+        (
+            {
+                "eviction": {"tier": {"bits": 3, "groupTokens": 64, "maxTokens": 96}},
+                "compactor": {"enabled": False},
+                "sglang": {"extraArgs": TIER_BACKEND},
+            },
+            "eviction.tier.maxTokens=96: the tier holds whole groups of "
+            "eviction.tier.groupTokens=64 tokens",
+        ),
+        (
             {"redis": {"externalUrl": EXTERNAL_REDIS, "externalUrlSecret": {"name": "r"}}},
             "not both",
         ),
@@ -486,6 +533,15 @@ def test_replicas_sharing_redis_use_one_lease_namespace_per_pod(render, placemen
         "request-max-cadence-below-cadence",
         "extra-kv-flag",
         "extra-tp-flag",
+        "extra-lease-store-flag",
+        "extra-compactor-address",
+        "extra-redis-url",
+        "extra-evict-prompt",
+        "tier-flag-without-bits",
+        "tier-with-sidecar",
+        "tier-default-backend",
+        "tier-triton-backend",
+        "tier-partial-group",
         "two-redis-urls",
         "sidecar-without-claim",
         "servicemonitor-without-metrics",
@@ -598,6 +654,61 @@ def test_eviction_flags_reach_the_server_command(render):
     assert {flag: flag_value(args, flag) for flag in expected} == expected
     assert "--kv-scorer-stats" not in args
     assert args[-2:] == ["--mem-fraction-static", "0.85"]
+
+
+def test_tier_and_prompt_eviction_reach_the_server_command_only_when_set(render):
+    args = server_argv(render("defaults"))
+    assert not [arg for arg in args if arg.startswith(("--kv-tier-", "--kv-evict-prompt"))]
+    release = render(
+        {
+            "eviction": {
+                "kvEvictPrompt": True,
+                "tier": {"bits": 3, "groupTokens": 64, "maxTokens": 2048, "poolShare": 0.3},
+            },
+            "compactor": {"enabled": False},
+            "sglang": {"extraArgs": [*TIER_BACKEND, "--kv-tier-outliers", "2"]},
+        }
+    )
+    args = server_argv(release)
+    expected = {
+        "--kv-tier-bits": "3",
+        "--kv-tier-group": "64",
+        "--kv-tier-tokens": "2048",
+        "--kv-tier-pool-share": "0.3",
+        "--kv-compactor": "inprocess",
+        "--attention-backend": "torch_native",
+        "--kv-tier-outliers": "2",  # a --kv-* flag the chart does not set passes through
+    }
+    assert {flag: flag_value(args, flag) for flag in expected} == expected
+    assert "--kv-evict-prompt" in args
+
+
+def test_the_tier_release_passes_serves_own_checks(render, tmp_path, capsys, monkeypatch):
+    """The server command the chart renders for the tier is one ``sglang-evict serve``
+    accepts: its dry run, on this machine, validates the flags, the policy and SGLang's
+    server arguments against a local model (the model path swapped in)."""
+    pytest.importorskip("sglang")
+    from sglang_evict.cli import main
+    from sglang_evict.engine_model import build_engine_model
+
+    model = build_engine_model(tmp_path / "model", "head_dim64")  # a head dim the tier has
+    release = render(
+        {
+            "eviction": {"kvEvictPrompt": True, "kvScorer": "rkv", "tier": {"bits": 3}},
+            "compactor": {"enabled": False},
+            "sglang": {"extraArgs": TIER_BACKEND},
+            "model": {"path": str(model)},
+        }
+    )
+    argv = server_argv(release)[1:]
+    # What the pod's environment gives the server: the in-chart Redis's URL.
+    env = {item["name"]: item.get("value") for item in release.container("sglang")["env"]}
+    monkeypatch.setenv("SGLANG_EVICT_REDIS_URL", env["SGLANG_EVICT_REDIS_URL"])
+    code = main([*argv, "--dry-run", "--device", "cuda"])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
+    assert "--kv-tier-bits" not in out.splitlines()[-1]  # ours go in the environment
+    assert '"tier_bits": 3' in out and "# per request at most:" in out
 
 
 def test_request_limits_reach_the_server_command_only_when_set(render):
@@ -1044,12 +1155,15 @@ def test_overrides_shown_in_the_docs_render(render):
     page = (ROOT / "docs" / "kubernetes.md").read_text()
     text = page.split("\n## Kubernetes\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 1
+    assert len(blocks) == 2
     release = render(yaml.safe_load(blocks[0]))
     args = server_argv(release)
     assert flag_value(args, "--model-path") == "meta-llama/Llama-3.1-8B-Instruct"
     assert flag_value(args, "--kv-budget") == "4096"
     assert release.container("sglang")["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    tier = server_argv(render(yaml.safe_load(blocks[1])))  # the tier's block
+    assert flag_value(tier, "--kv-tier-bits") == "3"
+    assert flag_value(tier, "--kv-compactor") == "inprocess"
     assert "helm install llm ./helm/sglang-evict" in text
 
 

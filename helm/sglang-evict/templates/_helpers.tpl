@@ -240,6 +240,19 @@ only, not SGLang's processes (which take their tracing set-up from their own fla
 {{- if not $e.kvPressurePasses }}
 - --kv-no-pressure-passes
 {{- end }}
+{{- if $e.kvEvictPrompt }}
+- --kv-evict-prompt
+{{- end }}
+{{- if $e.tier.bits }}
+- --kv-tier-bits
+- {{ $e.tier.bits | int | quote }}
+- --kv-tier-group
+- {{ $e.tier.groupTokens | int | quote }}
+- --kv-tier-tokens
+- {{ $e.tier.maxTokens | int | quote }}
+- --kv-tier-pool-share
+- {{ $e.tier.poolShare | toString | quote }}
+{{- end }}
 {{- if include "sglang-evict.compactorEnabled" . }}
 - --kv-compactor
 - grpc
@@ -334,10 +347,40 @@ Mirrors what `sglang-evict serve` and EvictionConfig refuse, so a bad release fa
 {{- fail (printf "eviction.kvRequestMaxCadence=%d is below eviction.kvCadence=%d: a request's maximum cannot be below the default it starts from; raise it, or 0 for kvCadence" (int $e.kvRequestMaxCadence) (int $e.kvCadence)) -}}
 {{- end -}}
 {{- $owned := list "--model-path" "--tp-size" "--tp" "--host" "--port" "--page-size" "--enable-metrics" "--enable-trace" "--otlp-traces-endpoint" "--radix-cache-backend" -}}
+{{- /* The --kv-* flags the chart renders from eviction, compactor and redis (serveArgs); other --kv-* flags pass through. */ -}}
+{{- $owned = concat $owned (list "--kv-budget" "--kv-cadence" "--kv-pass-group-steps" "--kv-sink-tokens" "--kv-protected-tokens" "--kv-window" "--kv-scorer" "--kv-scorer-stats" "--kv-compaction" "--kv-request-max-budget" "--kv-request-max-cadence" "--kv-request-allow-disable" "--kv-admission" "--kv-no-pressure-passes" "--kv-evict-prompt" "--kv-tier-bits" "--kv-tier-group" "--kv-tier-tokens" "--kv-tier-pool-share" "--kv-lease-store" "--kv-lease-namespace") -}}
 {{- range .Values.sglang.extraArgs -}}
 {{- $flag := first (splitList "=" .) -}}
-{{- if or (has $flag $owned) (hasPrefix "--kv-" $flag) -}}
+{{- if has $flag $owned -}}
 {{- fail (printf "sglang.extraArgs: %s is set by the chart from values (model, sglang, eviction, compactor, redis, tracing); set the value instead" $flag) -}}
+{{- end -}}
+{{- if hasPrefix "--kv-compactor" $flag -}}
+{{- fail (printf "sglang.extraArgs: %s: the chart runs and connects the compactor from the compactor values; set those instead" $flag) -}}
+{{- end -}}
+{{- if hasPrefix "--kv-redis-url" $flag -}}
+{{- fail (printf "sglang.extraArgs: %s: the Redis URL is a secret and never goes on a command line; set redis.externalUrlSecret (or redis.externalUrl) instead" $flag) -}}
+{{- end -}}
+{{- if and (hasPrefix "--kv-tier-" $flag) (not $e.tier.bits) -}}
+{{- fail (printf "sglang.extraArgs: %s without eviction.tier.bits: no tier runs without its bits; set eviction.tier.bits (2, 3, 4 or 8) or drop %s" $flag $flag) -}}
+{{- end -}}
+{{- end -}}
+{{- if $e.tier.bits -}}
+{{- if include "sglang-evict.compactorEnabled" . -}}
+{{- fail "eviction.tier.bits with compactor.enabled: the compactor sidecar does not quantize yet, so the server refuses the tier with --kv-compactor grpc; set compactor.enabled=false (the scheduler compacts in-process)" -}}
+{{- end -}}
+{{- $backend := "" -}}
+{{- range $i, $arg := .Values.sglang.extraArgs -}}
+{{- if hasPrefix "--attention-backend=" $arg -}}
+{{- $backend = trimPrefix "--attention-backend=" $arg -}}
+{{- else if and (eq $arg "--attention-backend") (lt (add1 $i) (len $.Values.sglang.extraArgs)) -}}
+{{- $backend = index $.Values.sglang.extraArgs (add1 $i) -}}
+{{- end -}}
+{{- end -}}
+{{- if ne $backend "torch_native" -}}
+{{- fail (printf "eviction.tier.bits with %s: on a GPU the tier's attention merges with SGLang's torch_native backend only (its merge with triton has not run on a GPU yet); add \"--attention-backend\", \"torch_native\" to sglang.extraArgs" (ternary (printf "--attention-backend %s" $backend) "SGLang's default attention backend" (ne $backend ""))) -}}
+{{- end -}}
+{{- if or (lt (int $e.tier.maxTokens) (int $e.tier.groupTokens)) (mod (int $e.tier.maxTokens) (int $e.tier.groupTokens)) -}}
+{{- fail (printf "eviction.tier.maxTokens=%d: the tier holds whole groups of eviction.tier.groupTokens=%d tokens; give a multiple of %d" (int $e.tier.maxTokens) (int $e.tier.groupTokens) (int $e.tier.groupTokens)) -}}
 {{- end -}}
 {{- end -}}
 {{- if .Values.router.enabled -}}
