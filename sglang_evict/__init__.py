@@ -7,6 +7,7 @@ parts is a package with its own table.
     plugin            SGLang's plugin entry point (group ``sglang.srt.plugins``)
     console, cli      the ``sglang-evict`` command and its subcommands
     cli_flags         the eviction flags every subcommand shares -> ``EvictionConfig``
+    serve_command     ``serve``: the start-up checks, then SGLang's own server
     serve_checks      what ``serve`` and ``calibrate`` refuse before starting
     demo              ``sglang-evict demo``: SGLang's engine with and without eviction
     router            ``sglang-evict router``: SGLang's router before evicting replicas

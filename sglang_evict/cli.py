@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from compactor_service.health import add_arguments as add_health_arguments
-from sglang_evict import __version__
+from sglang_evict import __version__, serve_command
 from sglang_evict.cli_flags import (
     MAX_INT_FLAG,
     add_admission_flags,
@@ -48,8 +48,7 @@ from sglang_evict.passes.planner import (
 )
 from sglang_evict.passes.selection import protected_mask, select_survivors
 from sglang_evict.scorers import KVView
-from sglang_evict.serve_checks import check_compactor_paths, check_model_config, check_output_file
-from sglang_evict.triton_env import use_triton_interpreter_without_gpu
+from sglang_evict.serve_checks import check_output_file
 
 TRACEBACK_ENV = "SGLANG_EVICT_TRACEBACK"
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -161,147 +160,6 @@ def _demo(args: argparse.Namespace) -> int:
     from sglang_evict.demo import run
 
     return run(args)
-
-
-def _page_size_of(sglang_argv: list[str]) -> int:
-    """``--page-size`` among SGLang's arguments (1, SGLang's default, when absent)."""
-    page_size = "1"
-    for i, flag in enumerate(sglang_argv):
-        if flag == "--page-size":
-            if i + 1 == len(sglang_argv):
-                raise ValueError("--page-size needs a value: the KV page size in tokens, e.g. 16")
-            page_size = sglang_argv[i + 1]
-        elif flag.startswith("--page-size="):
-            page_size = flag.split("=", 1)[1]
-    try:
-        return int(page_size)
-    except ValueError:
-        raise ValueError(
-            f"--page-size {page_size!r} is not an integer; pass the KV page size in tokens, "
-            f"e.g. --page-size 16"
-        ) from None
-
-
-def _redis_url(args: argparse.Namespace) -> tuple[str | None, str]:
-    """The Redis URL (flag, file or environment; validated) and a line for the dry run
-    saying how it reaches the server, without its password."""
-    import shlex
-
-    from compactor_service.secrets import REDIS_URL_ENV, redact_url, resolve_redis_url
-
-    url = resolve_redis_url(args.kv_redis_url, args.kv_redis_url_file, flag="--kv-redis-url")
-    if url is None:
-        return None, ""
-    shown = redact_url(url)
-    if args.kv_redis_url_file:
-        path = shlex.quote(args.kv_redis_url_file)
-        return url, f'export {REDIS_URL_ENV}="$(cat {path})"  # {shown}'
-    if not args.kv_redis_url:
-        return url, f"# {REDIS_URL_ENV} ({shown}) is taken from this environment"
-    if shown == url:
-        return url, f"export {REDIS_URL_ENV}={shlex.quote(url)}"
-    print(
-        f"sglang-evict serve: warning: --kv-redis-url carries a password, readable by every "
-        f"user in the process list; pass it in ${REDIS_URL_ENV} or --kv-redis-url-file FILE",
-        file=sys.stderr,
-    )
-    hint = f"# export {REDIS_URL_ENV}={shlex.quote(shown)} with the real password (not printed)"
-    return url, hint
-
-
-def _tier_bytes_line(config, model) -> str | None:
-    """The dry run's line on what one request holds at most under the tier (None: no
-    tier, or the model's shape is not known)."""
-    hf = getattr(model, "hf_text_config", None)
-    if config.tier_bits is None or hf is None:
-        return None
-    from sglang_evict.scorers.triattention_stats import model_shape_of
-    from sglang_evict.tier.policy import TierPolicy, full_bytes_per_token, max_kv_bytes
-
-    shape = model_shape_of(hf)
-    kv_heads = int(getattr(hf, "num_key_value_heads", None) or shape.num_q_heads)
-    fmt = config.tier_format(shape.head_dim)
-    args = dict(layers=shape.num_layers, kv_heads=kv_heads, full_dtype=torch.bfloat16)
-    full = config.kv_budget_tokens + config.cadence_tokens
-    most = max_kv_bytes(
-        max_full_tokens=full, policy=TierPolicy(fmt, config.tier_max_tokens), **args
-    )
-    per_token = full_bytes_per_token(fmt, **args)
-    return (
-        f"# per request at most: {full} full-precision tokens (budget + cadence) and "
-        f"{config.tier_max_tokens} tier tokens at {config.tier_bits} bits = "
-        f"{most / 2**20:.2f} MiB (bfloat16 accounting; its protected prompt aside), the "
-        f"bytes of {most / per_token:.0f} full-precision tokens"
-    )
-
-
-def _serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
-    import shlex
-
-    from compactor_service.secrets import REDIS_URL_ENV
-
-    args.page_size = _page_size_of(sglang_argv)
-    redis_url, redis_line = _redis_url(args)
-    args.kv_redis_url = redis_url
-    config = config_from_args(args)  # our flags first: nothing of SGLang is loaded yet
-    users_env = set(os.environ)
-    use_triton_interpreter_without_gpu()
-    if args.dry_run:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a dry run never downloads
-    from sglang_evict.calibrate import first_line
-    from sglang_evict.srt.engine_runner import cpu_tp_env
-    from sglang_evict.srt.server_args import (
-        CONFIG_ENV,
-        backend_flags,
-        check_startup,
-        model_facts_from_server_args,
-        parse_server_args,
-    )
-
-    check_model_config(sglang_argv)
-    try:
-        server_args = parse_server_args(sglang_argv, dry_run=args.dry_run)
-    except OSError as error:  # SGLang reading the model's config (e.g. given via --config)
-        raise ValueError(
-            f"SGLang cannot read the model's configuration: {first_line(error)}"
-        ) from None
-    model = model_facts_from_server_args(server_args)
-    check_startup(server_args, config, model)  # what every scheduler checks at startup
-    check_compactor_paths(config, getattr(server_args, "device", None), args.dry_run)
-    command = [sys.executable, "-m", "sglang.launch_server", *sglang_argv, *backend_flags()]
-    env = {**os.environ, CONFIG_ENV: config.to_json()}
-    # On CPU: SGLang's tensor parallelism without AMX needs gloo and a core set per rank
-    # (``cpu_tp_env``), and its Triton kernels (the ``triton`` attention backend; the
-    # paged allocator of 0.5.17 at pages > 1) find no driver unless interpreted
-    # (``use_triton_interpreter_without_gpu`` above). The user's own settings win; the
-    # dry run prints what serve adds.
-    cpu_env = {}
-    if getattr(server_args, "device", None) == "cpu":
-        cpu_env = cpu_tp_env(getattr(server_args, "tp_size", 1) or 1)
-        if "TRITON_INTERPRET" in os.environ:
-            cpu_env["TRITON_INTERPRET"] = os.environ["TRITON_INTERPRET"]
-        cpu_env = {key: value for key, value in cpu_env.items() if key not in users_env}
-    env.update(cpu_env)
-    if redis_url:  # through the environment, never on the command line
-        env[REDIS_URL_ENV] = redis_url
-    if args.dry_run:
-        architectures = ", ".join(model.architectures) or "?"
-        print(f"# checks passed: policy, SGLang flags, model {model.path} ({architectures})")
-        bytes_line = _tier_bytes_line(config, model)
-        if bytes_line:
-            print(bytes_line)
-        if redis_line:
-            print(redis_line)
-        for key, value in cpu_env.items():
-            print(f"export {key}={shlex.quote(value)}")
-        print(f"export {CONFIG_ENV}={shlex.quote(config.to_json())}")
-        print(shlex.join(command))
-        return 0
-    # Replace this process: SGLang receives the container's signals (SIGTERM drains it)
-    # directly, with no parent in between to forward them.
-    sys.stdout.flush()
-    os.execve(sys.executable, command, env)
-    return 0  # not reached
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -512,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--dry-run", action="store_true", help="validate, print the command, start nothing"
     )
-    serve.set_defaults(handler=_serve, passes_through=True)
+    serve.set_defaults(handler=serve_command.serve, passes_through=True)
 
     cal = commands.add_parser(
         "calibrate",

@@ -183,7 +183,7 @@ def test_the_metrics_report_the_tiers_tokens_bytes_and_quantized_tokens():
 def test_the_dry_runs_bytes_line_adds_the_full_bound_and_a_full_tier():
     from types import SimpleNamespace
 
-    from sglang_evict.cli import _tier_bytes_line
+    from sglang_evict.serve_command import tier_bytes_line
     from sglang_evict.tier.policy import full_bytes_per_token, tier_bytes_per_token
 
     hf = SimpleNamespace(
@@ -195,13 +195,13 @@ def test_the_dry_runs_bytes_line_adds_the_full_bound_and_a_full_tier():
         rope_theta=100000.0,
     )
     config = tier_config(kv_budget_tokens=256, cadence_tokens=128, tier_max_tokens=1024)
-    line = _tier_bytes_line(config, SimpleNamespace(hf_text_config=hf))
+    line = tier_bytes_line(config, SimpleNamespace(hf_text_config=hf))
     fmt = config.tier_format(64)
     full = full_bytes_per_token(fmt, 30, 3, torch.bfloat16)
     tier = tier_bytes_per_token(fmt, 30, 3, torch.bfloat16)
     most = (256 + 128 + 32 - 1) * full + 1024 * tier
     assert f"= {most / 2**20:.2f} MiB" in line and f"{most / full:.0f} full-precision" in line
-    assert _tier_bytes_line(tier_config(tier_bits=None), SimpleNamespace(hf_text_config=hf)) is None
+    assert tier_bytes_line(tier_config(tier_bits=None), SimpleNamespace(hf_text_config=hf)) is None
 
 
 def test_the_idle_check_names_a_tier_that_holds_groups_or_breaks_an_invariant():
