@@ -1137,6 +1137,10 @@ def test_grafana_dashboard_covers_the_eviction_metrics(render):
         "sglang_evict:pass_duration_seconds",
         "sglang_evict:compactor_up",
         "sglang_evict:compactor_fallbacks_total",
+        "sglang_evict:tier_tokens",
+        "sglang_evict:tier_bytes",
+        "sglang_evict:tier_tokens_quantized_total",
+        "sglang_evict:tier_tokens_dropped_total",
     ):
         assert needed in used, needed
     assert any("histogram_quantile" in e and "pass_duration_seconds_bucket" in e for e in exprs)
