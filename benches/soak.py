@@ -7,6 +7,7 @@ idle point.
     python3 benches/soak.py --model smollm2 --minutes 60 --faults
     python3 benches/soak.py --replicas 2 --kill-replica --minutes 10   # behind the router
     python3 benches/soak.py --short                 # CI's form: 2 min, tiny, faults on
+    python3 benches/soak.py --kv-tier-bits 3 --faults   # the quantized tier, Redis restarts
 
 The load: ``/generate`` (streamed and not), ``/v1/completions`` and
 ``/v1/chat/completions`` streamed, at a concurrency above what the pool holds
@@ -17,7 +18,11 @@ cancelled by the client mid-generation; a share of malformed or out-of-range
 ``custom_params.sglang_evict`` (a 400 naming the field is the expected answer). With
 ``--faults``: passes go to a supervised compactor sidecar (``--kv-compactor grpc``),
 whose server is SIGKILLed at random intervals, and leases live in Redis
-(``--kv-lease-store redis``), restarted at random intervals. With ``--replicas 2``
+(``--kv-lease-store redis``), restarted at random intervals. With ``--kv-tier-bits``
+the server runs the quantized tier (the tiny model's head-dim-64 variant), requests ask
+for tiers of their own, some too large or not whole groups (a 400 naming
+``tier_tokens``), every idle point also finds the tier empty, and the faults are
+Redis's alone (the sidecar does not run the tier). With ``--replicas 2``
 requests go through ``sglang-evict router``; ``--kill-replica`` SIGKILLs one replica
 halfway (then every request must complete or fail with an error its client sees).
 
@@ -93,12 +98,21 @@ def violations(result: dict, s: Settings) -> list[str]:
                 if not s.kill_replica:
                     bad.append(f"{name}: replica {replica['replica']} died")
                 continue
-            if not replica["idle_check_ran"] or replica["tracked_requests"]:
+            if (
+                not replica["idle_check_ran"]
+                or replica["tracked_requests"]
+                or replica.get("tier_tokens_held")
+            ):
                 bad.append(f"{name}: replica {replica['replica']} not idle and clean: {replica}")
             if replica["leak_in_log"] or replica["traceback_in_log"]:
                 bad.append(f"{name}: replica {replica['replica']}'s log holds a leak or traceback")
     if not any(p["completed"] for p in result["phases"]):
         bad.append("no request completed")
+    quantized = [
+        p.get("metrics", {}).get("tier_tokens_quantized_total", 0) for p in result["phases"]
+    ]
+    if s.tier_bits is not None and not any(quantized):
+        bad.append("the tier is on, but no pass quantized a token into it")
     growth = result.get("rss_growth_after_warmup")
     if s.max_rss_growth is not None and growth is not None and growth > s.max_rss_growth:
         bad.append(f"server RSS grew {growth:.1%} after warm-up (at most {s.max_rss_growth:.0%})")
@@ -142,6 +156,13 @@ async def soak(s: Settings, stack: Stack, url: str) -> dict:
             ),
             "compactor_fallbacks_total": sum(
                 metric_sum(m, "sglang_evict:compactor_fallbacks_total") for m in samples
+            ),
+            # the tier's: tokens quantized into it and given up beyond it (0 without)
+            "tier_tokens_quantized_total": sum(
+                metric_sum(m, "sglang_evict:tier_tokens_quantized_total") for m in samples
+            ),
+            "tier_tokens_dropped_total": sum(
+                metric_sum(m, "sglang_evict:tier_tokens_dropped_total") for m in samples
             ),
         }
         phases.append(phase.summary())
@@ -194,6 +215,7 @@ def plot(result: dict, path: Path) -> bool:
     figure.suptitle(
         f"soak: {s['model']} model, {s['minutes']} min, faults "
         f"{'on' if s['faults'] else 'off'}, {s['replicas']} replica(s)"
+        + (f", tier {s['tier_bits']} bits" if s.get("tier_bits") else "")
     )
     save_figure(plt, figure, path)
     return True
@@ -211,6 +233,10 @@ def parse(argv) -> Settings:
     parser.add_argument(
         "--replay", type=int, default=6, metavar="N",
         help="completed greedy requests run again alone at the end (default 6)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-tier-bits", type=int, choices=(2, 3, 4, 8), default=None,
+        help="the quantized tier on (faults: Redis restarts only; the sidecar does not run it)",
     )  # fmt: skip
     parser.add_argument("--short", action="store_true", help="CI's form: 2 min, tiny, faults")
     parser.add_argument("--out", default="soak-out", help="folder for soak.json and soak.png")
@@ -234,6 +260,7 @@ def parse(argv) -> Settings:
         out=args.out,
         max_rss_growth=args.max_rss_growth,
         replay_samples=args.replay,
+        tier_bits=args.kv_tier_bits,
     )
     if args.short:
         s.minutes, s.fault_interval_s, s.deadline_s = 2.0, (8.0, 15.0), 120.0

@@ -36,6 +36,13 @@ BAD_POLICIES = (
     ({"kv_budget_tokens": "many"}, "kv_budget_tokens"),
     ("not an object", "custom_params.sglang_evict"),
 )
+# With the tier on (``Settings.tier_bits``), these too: more than the server's bound,
+# and a part of a group.
+BAD_TIER_POLICIES = (
+    ({"tier_tokens": 10**6}, "tier_tokens"),
+    ({"tier_tokens": 17}, "tier_tokens"),
+    ({"tier_tokens": -16}, "tier_tokens"),
+)
 
 
 @dataclass
@@ -58,6 +65,11 @@ class Settings:
     replay_samples: int = 6
     fault_interval_s: tuple[float, float] = (20.0, 60.0)
     max_rss_growth: float | None = None  # a violation above it (the 60-min goal: 0.05)
+    # The quantized tier (--kv-tier-bits; None: none): a request's tier holds at most
+    # ``tier_tokens`` (whole groups of ``tier_group_tokens``); requests ask for less.
+    tier_bits: int | None = None
+    tier_group_tokens: int = 16
+    tier_tokens: int = 64
     out: str = "soak-out"
 
     @property
@@ -124,6 +136,10 @@ def random_policy(rng: random.Random, s: Settings) -> dict:
         policy["cadence_tokens"] = rng.randint(1, s.cadence_tokens)
     if rng.random() < 0.4:
         policy["scorer"] = rng.choice(("streaming", "knorm"))
+    if s.tier_bits is not None and rng.random() < 0.4:  # 0: this request keeps no tier
+        policy["tier_tokens"] = s.tier_group_tokens * rng.randint(
+            0, s.tier_tokens // s.tier_group_tokens
+        )
     return policy
 
 
@@ -216,7 +232,8 @@ class Load:
         question = rng.choice(QUESTIONS)
         expect = None
         if kind == "bad":
-            policy, expect = rng.choice(BAD_POLICIES)
+            bad = BAD_POLICIES + (BAD_TIER_POLICIES if self.s.tier_bits is not None else ())
+            policy, expect = rng.choice(bad)
             # sglang-router drops /generate's custom_params (docs/serving.md): behind it
             # a bad policy goes where clients are told to send policies, the OpenAI route.
             kind = "completions" if self.s.replicas > 1 else rng.choice(("generate", "completions"))

@@ -41,6 +41,12 @@ class Stack:
             *("--kv-budget", str(s.budget_tokens), "--kv-cadence", str(s.cadence_tokens)),
             *("--kv-window", str(s.window_tokens), "--kv-sink-tokens", "4"),
         ]
+        if s.tier_bits is not None:
+            flags += [
+                *("--kv-tier-bits", str(s.tier_bits)),
+                *("--kv-tier-group", str(s.tier_group_tokens)),
+                *("--kv-tier-tokens", str(s.tier_tokens)),
+            ]
         env = {}
         if s.faults:
             from compactor_service.secrets import REDIS_URL_ENV
@@ -52,24 +58,34 @@ class Stack:
                 if _mkdir(self.workdir / "redis")
                 else None
             )
-            pools = self.workdir / "pools"
-            # A Unix socket's path holds at most 107 bytes: the sidecar's folder is short.
-            self.short_dir = Path(tempfile.mkdtemp(prefix="soak-"))
-            self.sidecar = CompactorProcess(
-                self.short_dir, "--supervise", pool_dir=str(pools)
-            ).start()
-            flags += [
-                "--kv-compactor",
-                "grpc",
-                "--kv-compactor-socket",
-                str(self.sidecar.socket),
-                "--kv-compactor-pool-dir",
-                str(pools),
-                "--kv-lease-store",
-                "redis",
-            ]
+            # The tier runs with the in-process compactor only (the sidecar does not
+            # quantize yet): its faults are Redis's alone.
+            if s.tier_bits is None:
+                pools = self.workdir / "pools"
+                # A Unix socket's path holds at most 107 bytes: the sidecar's folder is short.
+                self.short_dir = Path(tempfile.mkdtemp(prefix="soak-"))
+                self.sidecar = CompactorProcess(
+                    self.short_dir, "--supervise", pool_dir=str(pools)
+                ).start()
+                flags += [
+                    "--kv-compactor",
+                    "grpc",
+                    "--kv-compactor-socket",
+                    str(self.sidecar.socket),
+                    "--kv-compactor-pool-dir",
+                    str(pools),
+                ]
+            flags += ["--kv-lease-store", "redis"]
             env[REDIS_URL_ENV] = self.redis.url
-        engine = {"max_total_tokens": s.pool_tokens, "page_size": s.page_size}
+        pool_tokens = s.pool_tokens
+        if s.tier_bits is not None:
+            # The tier's arena is carved from the pool SGLang sizes: a larger pool leaves
+            # the full-precision part (and the longest prompt SGLang accepts) as without.
+            from sglang_evict.config import EvictionConfig
+
+            share = EvictionConfig.__dataclass_fields__["tier_pool_share"].default
+            pool_tokens = round(s.pool_tokens / (1 - share))
+        engine = {"max_total_tokens": pool_tokens, "page_size": s.page_size}
         if s.model == "tiny":  # the project's tiny model has no chat template of its own
             engine["chat_template"] = "chatml"
         for i in range(s.replicas):
@@ -92,7 +108,8 @@ class Stack:
             return ensure_real_model()
         from sglang_evict.engine_model import ensure_engine_model
 
-        return ensure_engine_model()
+        # The tier's kernels take head dims 64 and 128: the tiny model's variant with 64.
+        return ensure_engine_model(variant="base" if self.s.tier_bits is None else "head_dim64")
 
     def rss_bytes(self) -> int:
         import psutil
@@ -230,6 +247,7 @@ def idle_check(stack: Stack, marks: dict, timeout_s: float = 120.0) -> dict:
                 lambda r=replica, b=before: (
                     (st := r.plugin_state())["idle_checks"] > b
                     and st["tracked_requests"] == 0
+                    and _tier_tokens_held(st) == 0
                     and st
                 ),
                 timeout_s=timeout_s,
@@ -244,6 +262,7 @@ def idle_check(stack: Stack, marks: dict, timeout_s: float = 120.0) -> dict:
                 "alive": True,
                 "idle_checks": state["idle_checks"],
                 "tracked_requests": state["tracked_requests"],
+                "tier_tokens_held": _tier_tokens_held(state),
                 "idle_check_ran": state["idle_checks"] > before,
                 "leak_in_log": "memory leak" in log.lower(),
                 "traceback_in_log": "Traceback" in log,
@@ -251,6 +270,12 @@ def idle_check(stack: Stack, marks: dict, timeout_s: float = 120.0) -> dict:
         )
         marks[i] = {"idle_checks": state["idle_checks"], "log": replica.log_size()}
     return report
+
+
+def _tier_tokens_held(state: dict) -> int:
+    """Tokens the replica's quantized tier holds (0 without a tier)."""
+    tier = state.get("tier")
+    return int(tier["tokens_held"]) if tier else 0
 
 
 async def faults(
@@ -264,7 +289,8 @@ async def faults(
             return
         except TimeoutError:
             pass
-        act = stack.kill_sidecar_server if which % 2 == 0 else stack.restart_redis
+        sidecar_turn = which % 2 == 0 and stack.sidecar is not None
+        act = stack.kill_sidecar_server if sidecar_turn else stack.restart_redis
         what = await asyncio.to_thread(act)
         phase.faults.append({"t_s": round(time.monotonic() - t0, 1), "what": what})
         which += 1

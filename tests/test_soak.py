@@ -106,3 +106,61 @@ def test_requests_a_fault_moved_are_not_replayed():
     assert evicted_off_schedule({"report": {**report, "passes_failed": 1}})
     assert evicted_off_schedule({"report": {**report, "retractions": 1}})
     assert not evicted_off_schedule({"report": None})  # eviction off: nothing to move
+
+
+def test_a_tier_left_holding_tokens_at_an_idle_point_is_a_violation():
+    soak = _soak_module()
+    held = dict(_phase("load")["idle"]["replicas"][0], tier_tokens_held=32)
+    result = {"phases": [_phase("warm-up"), _phase("load", idle={"replicas": [held],
+              "rss_mib": 100.0})], "replay": [{"equal": True}],
+              "rss_growth_after_warmup": 0.0}  # fmt: skip
+    assert "not idle and clean" in "\n".join(soak.violations(result, soak.Settings()))
+    # A soak of the tier in which no pass quantized anything did not soak the tier.
+    clean = {"phases": [_phase("load", metrics={"tier_tokens_quantized_total": 0.0})],
+             "replay": [{"equal": True}], "rss_growth_after_warmup": 0.0}  # fmt: skip
+    assert soak.violations(clean, soak.Settings()) == []
+    found = soak.violations(clean, soak.Settings(tier_bits=3))
+    assert found == ["the tier is on, but no pass quantized a token into it"]
+    clean["phases"][0]["metrics"]["tier_tokens_quantized_total"] = 64.0
+    assert soak.violations(clean, soak.Settings(tier_bits=3)) == []
+
+
+def test_the_tier_soaks_policies_are_what_the_server_accepts_and_refuses():
+    """The soak's per-request tiers are valid for its server, and the bad ones it sends
+    are refused by the server's own rule, naming ``tier_tokens``."""
+    from sglang_evict.config import EvictionConfig
+    from sglang_evict.request_policy import (
+        RequestLimits,
+        RequestPolicyError,
+        default_policy,
+        resolve_request_policy,
+    )
+
+    sys.path.insert(0, str(BENCHES))
+    import random
+
+    from soak_load import BAD_TIER_POLICIES, Settings, random_policy
+
+    s = Settings(tier_bits=3)
+    config = EvictionConfig(
+        kv_budget_tokens=s.budget_tokens,
+        cadence_tokens=s.cadence_tokens,
+        window_tokens=s.window_tokens,
+        sink_tokens=4,
+        tier_bits=s.tier_bits,
+        tier_group_tokens=s.tier_group_tokens,
+        tier_max_tokens=s.tier_tokens,
+    )
+    limits = RequestLimits.of(config, ("streaming", "knorm"))
+    rng = random.Random(0)
+    asked = set()
+    for _ in range(300):
+        policy = random_policy(rng, s)
+        resolved = resolve_request_policy(default_policy(config), policy, limits)
+        asked.add(policy.get("tier_tokens"))
+        assert resolved.tier_tokens == policy.get("tier_tokens", s.tier_tokens)
+    assert {None, 0, s.tier_tokens} <= asked  # the server's tier, none, and between
+    for policy, field in BAD_TIER_POLICIES:
+        with pytest.raises(RequestPolicyError, match=field):
+            resolve_request_policy(default_policy(config), policy, limits)
+    assert all("tier_tokens" not in random_policy(rng, Settings()) for _ in range(100))
