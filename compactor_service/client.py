@@ -86,12 +86,15 @@ _POOL_REFUSED = (
     grpc.StatusCode.FAILED_PRECONDITION,
 )
 # The sidecar is local and a supervised one restarts in milliseconds: reconnect within
-# 0.1-1 s instead of gRPC's default backoff (1 s growing to 120 s). The compactor bounds
-# message sizes itself (and says how at registration).
+# 0.1-1 s instead of gRPC's default backoff (1 s growing to 120 s). Not
+# ``grpc.min_reconnect_backoff_ms``: gRPC takes it as the minimum time a connection
+# attempt is given, so 100 ms there failed every call at once (UNAVAILABLE, "connection
+# attempt timed out before receiving SETTINGS frame") whenever a loaded host's sidecar
+# answered a new connection late; its default (20 s) leaves each call's own deadline in
+# charge. The compactor bounds message sizes itself (and says how at registration).
 _CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", -1),
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
 # Headroom of a Compact message over its plans' own sizes (pool id, claim, framing).

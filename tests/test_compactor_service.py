@@ -183,6 +183,83 @@ def test_restarted_compactor_gives_a_new_epoch_and_the_client_re_registers(tmp_p
         process.stop()
 
 
+class SlowHandshakeProxy:
+    """A Unix socket in front of the compactor's that waits ``delay_s`` after accepting
+    a connection before it connects through: a sidecar slow to answer a connection, as
+    a loaded host's is (its HTTP/2 SETTINGS frame comes late)."""
+
+    def __init__(self, target_socket, delay_s: float) -> None:
+        import socket
+        import tempfile
+        import threading
+
+        self.dir = tempfile.mkdtemp(prefix="slow-")  # a socket path holds 107 bytes
+        self.path = os.path.join(self.dir, "proxy.sock")
+        self.target_socket, self.delay_s = str(target_socket), delay_s
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(self.path)
+        self.listener.listen(16)
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def target(self) -> str:
+        return f"unix:{self.path}"
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+        import time
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            time.sleep(self.delay_s)
+            upstream = socket.socket(socket.AF_UNIX)
+            upstream.connect(self.target_socket)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source, sink) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                try:
+                    end.shutdown(2)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        import shutil
+
+        self.listener.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def test_a_sidecar_slow_to_answer_a_connection_still_gets_the_pass(compactor, pool):
+    """A connection the sidecar answers late (400 ms: a loaded host) is waited for
+    within the call's deadline: the client registers and the pass moves its slots. With
+    gRPC's minimum connect timeout cut to 100 ms (the channel option
+    ``grpc.min_reconnect_backoff_ms``), registration failed at once with UNAVAILABLE
+    and the scheduler completed its passes in-process from then on."""
+    proxy = SlowHandshakeProxy(compactor.socket, delay_s=0.4)
+    try:
+        client = GrpcCompactor(proxy.target, pool.layout, timeout_s=10)
+        result = client.compact(two_request_plans())
+        assert result.slots_moved > 0 and proxy.connections >= 1
+        client.close()
+    finally:
+        proxy.close()
+
+
 def test_sigterm_drains_then_exits_zero_and_removes_the_socket(tmp_path):
     process = CompactorProcess(tmp_path).start()
     assert process.stop() == 0
