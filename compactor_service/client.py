@@ -307,7 +307,10 @@ class GrpcCompactor:
             )
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def healthy(self, timeout_s: float = 0.5) -> bool:
+    def healthy(self, timeout_s: float | None = None) -> bool:
+        """Whether the sidecar answers its health check within ``timeout_s`` (default:
+        a pass's deadline, ``timeout_s``: a loaded host's sidecar is as slow to both)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         return check_health(self.target, timeout_s=timeout_s, credentials=self.credentials)
 
     def close(self) -> None:
