@@ -291,6 +291,12 @@ CASES = [
                                        "--attention-backend", "triton"],
      "--kv-tier-bits with --attention-backend triton on cuda: the tier's merge with "
      "triton's decode has run in SGLang's engine on CPU only", {}),
+    ("tier, another decode backend", [*SERVE, "--kv-tier-bits", "3", "--dry-run", *LOCAL,
+                                      "--attention-backend", "torch_native",
+                                      "--decode-attention-backend", "triton"],
+     "--kv-tier-bits with --decode-attention-backend triton: the tier's attention merges "
+     "with one attention backend for the whole server, here --attention-backend "
+     "torch_native; drop --decode-attention-backend", {}),
     ("tier, sidecar", [*SERVE, "--kv-tier-bits", "3", *GRPC, "--dry-run", *LOCAL,
                        "--attention-backend", "torch_native"],
      "--kv-tier-bits with --kv-compactor grpc: the sidecar does not run the tier's", {}),

@@ -360,6 +360,16 @@ def _tier_problems(server_args, config: EvictionConfig) -> list[str]:
             f"{' or '.join(TIER_BACKENDS)} backends only so far; pass --attention-backend "
             f"torch_native or drop --kv-tier-*"
         )
+    for field in ("decode_attention_backend", "prefill_attention_backend"):
+        # One backend for the whole server: a hybrid of two is none the tier merges with.
+        other = getattr(server_args, field, None)
+        if other is not None and other != backend and backend in TIER_BACKENDS:
+            flag = "--" + field.replace("_", "-")
+            problems.append(
+                f"--kv-tier-bits with {flag} {other}: the tier's attention merges with one "
+                f"attention backend for the whole server, here --attention-backend "
+                f"{backend}; drop {flag} or drop --kv-tier-*"
+            )
     device = str(getattr(server_args, "device", None) or "cuda")
     if tier_backend_refused(backend, device):
         problems.append(
