@@ -196,6 +196,24 @@ def pytest_runtest_teardown(item, nextitem):
         registry.close_all()
 
 
+@pytest.fixture(scope="module")
+def chart():
+    """The Helm chart loaded by Helm's engine, once per module (``tests/helm_render.py``);
+    skips without the ``[dev]`` extra."""
+    from tests.helm_render import loaded_chart
+
+    with loaded_chart() as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def render(chart):
+    """render(name_or_values) -> Release: the chart rendered, named value sets once."""
+    from tests.helm_render import renderer
+
+    return renderer(chart)
+
+
 @pytest.fixture(scope="session")
 def engine_model():
     """The model + tokenizer the project builds offline for the engine (cached)."""

@@ -187,15 +187,15 @@ class Release:
 
 @contextmanager
 def loaded_chart() -> Iterator[Any]:
-    """The chart loaded by Helm's engine (a module fixture ``chart`` wraps it)."""
+    """The chart loaded by Helm's engine (the ``chart`` fixture in ``tests/conftest.py``)."""
     helm = pytest.importorskip("helm_python", reason="needs helm-python-sdk (the [dev] extra)")
     with helm.Chart.load(CHART) as loaded:
         yield loaded
 
 
 def renderer(chart) -> Callable[[str | dict[str, Any]], Release]:
-    """render(name_or_values) -> Release; named value sets are rendered once (a module
-    fixture ``render`` wraps it)."""
+    """render(name_or_values) -> Release; named value sets are rendered once (the ``render``
+    fixture in ``tests/conftest.py``)."""
     cache: dict[str, Release] = {}
 
     def render_values(values: str | dict[str, Any]) -> Release:

@@ -36,9 +36,7 @@ from tests.helm_render import (
     argv,
     env_names,
     flag_value,
-    loaded_chart,
     render_at_kube_version,
-    renderer,
     server_argv,
     split_supervised,
 )
@@ -47,17 +45,6 @@ helm = pytest.importorskip("helm_python", reason="needs helm-python-sdk (the [de
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="needs kubernetes-validate (the [dev] extra)"
 )
-
-
-@pytest.fixture(scope="module")
-def chart():
-    with loaded_chart() as loaded:
-        yield loaded
-
-
-@pytest.fixture(scope="module")
-def render(chart):
-    return renderer(chart)
 
 
 # --- chart metadata, values and schema -------------------------------------------------
@@ -483,7 +470,7 @@ def test_the_tier_release_passes_serves_own_checks(render, tmp_path, capsys, mon
     """The server command the chart renders for the tier is one ``sglang-evict serve``
     accepts: its dry run, on this machine, validates the flags, the policy and SGLang's
     server arguments against a local model (the model path swapped in)."""
-    pytest.importorskip("sglang")
+    pytest.importorskip("sglang", reason="serve's dry run checks SGLang's server arguments")
     from sglang_evict.cli import main
     from sglang_evict.engine_model import build_engine_model
 

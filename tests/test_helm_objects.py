@@ -19,23 +19,10 @@ from tests.helm_render import (
     ROUTER_POLICIES,
     SOCKET,
     flag_value,
-    loaded_chart,
-    renderer,
     server_argv,
 )
 
 pytest.importorskip("helm_python", reason="needs helm-python-sdk (the [dev] extra)")
-
-
-@pytest.fixture(scope="module")
-def chart():
-    with loaded_chart() as loaded:
-        yield loaded
-
-
-@pytest.fixture(scope="module")
-def render(chart):
-    return renderer(chart)
 
 
 # --- optional objects ------------------------------------------------------------------
