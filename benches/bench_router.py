@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     if args.turns < 2:
         parser.error("--turns must be >= 2: follow-up turns are what routing decides")
 
-    from sglang_evict.engine_model import ensure_engine_model
+    from sglang_evict.models.engine_model import ensure_engine_model
     from tests.router_harness import start_replicas
 
     log_dir = Path(args.log_dir)

@@ -375,7 +375,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if args.smoke:
-        from sglang_evict.engine_model import ensure_engine_model
+        from sglang_evict.models.engine_model import ensure_engine_model
 
         args.device, args.page_size, args.batch, args.repeats = "cpu", 1, 2, 1
         args.in_len, args.out_len, args.budget, args.cadence = 16, 24, 16, 4

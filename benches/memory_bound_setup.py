@@ -44,11 +44,11 @@ def resolve_model(name: str) -> tuple[Path, str]:
     head dim 64, which the tier's kernels hold), ``smollm2`` (the real model) or a
     folder."""
     if name == "tiny":
-        from sglang_evict.engine_model import ensure_engine_model
+        from sglang_evict.models.engine_model import ensure_engine_model
 
         return ensure_engine_model(variant="head_dim64"), "tiny random-weight model"
     if name == "smollm2":
-        from sglang_evict.real_model import WEIGHTS_NOTE, ensure_real_model
+        from sglang_evict.models.real_model import WEIGHTS_NOTE, ensure_real_model
 
         return ensure_real_model(), WEIGHTS_NOTE
     folder = Path(name)
@@ -141,8 +141,8 @@ def plan_runs(args, shape, runs) -> dict[str, RunPlan]:
 def needle_samples(tokenizer, count: int, context_tokens: int):
     """``count`` needle prompts of about ``context_tokens`` tokens over the essays:
     every kind at every depth in turn, indexes the frontier never uses."""
+    from sglang_evict.models.real_model import ensure_real_text
     from sglang_evict.quality.real.needle import build_samples
-    from sglang_evict.real_model import ensure_real_text
 
     if count <= 0:
         return []

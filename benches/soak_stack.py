@@ -103,10 +103,10 @@ class Stack:
 
     def _model_path(self) -> Path:
         if self.s.model == "smollm2":
-            from sglang_evict.real_model import ensure_real_model
+            from sglang_evict.models.real_model import ensure_real_model
 
             return ensure_real_model()
-        from sglang_evict.engine_model import ensure_engine_model
+        from sglang_evict.models.engine_model import ensure_engine_model
 
         # The tier's kernels take head dims 64 and 128: the tiny model's variant with 64.
         return ensure_engine_model(variant="base" if self.s.tier_bits is None else "head_dim64")

@@ -5,12 +5,8 @@ parts is a package with its own table.
 
     entry points      job
     plugin            SGLang's plugin entry point (group ``sglang.srt.plugins``)
-    console, cli      the ``sglang-evict`` command and its subcommands
-    cli_flags         the eviction flags every subcommand shares -> ``EvictionConfig``
-    serve_command     ``serve``: the start-up checks, then SGLang's own server
-    serve_checks      what ``serve`` and ``calibrate`` refuse before starting
-    demo              ``sglang-evict demo``: SGLang's engine with and without eviction
-    router            ``sglang-evict router``: SGLang's router before evicting replicas
+    cli/              the ``sglang-evict`` command: its subcommands, the shared
+                      eviction flags, ``serve``, ``demo``, ``router``
     calibrate         ``sglang-evict calibrate``: ``triattention``'s statistics
 
     layers (pure first)  job
@@ -27,19 +23,18 @@ parts is a package with its own table.
     query_capture     the query ring the query-reading scorers read
     metrics           the plugin's Prometheus metrics
     srt/              everything that touches SGLang internals (the only package)
+    models/           the models run here (tiny random ones, one per architecture;
+                      the real ones from PyPI) and the references the engine is held to
     quality/          the two quality evaluations (reference model, real model)
 
-    models and helpers  job
-    engine_model      the tiny random-weight model built offline for the engine
-    real_model        SmolLM2-135M-Instruct and the essays, from PyPI
-    reference_model   ``PagedLlama``: a model whose attention reads a paged KV pool
-    reference_loop    greedy generation through SGLang's memory classes (CPU)
+    helpers           job
     plotting          headless matplotlib for the PNGs
     triton_env        Triton's interpreter on a machine without a GPU
     warnings_filter   third-party notices silenced in one place
 
 Import rule (``tests/test_import_rule.py``): only ``srt`` imports ``sglang``; no import
-circles; the policy modules of ``passes`` import none of its mechanism.
+circles; the policy modules of ``passes`` import none of its mechanism; nothing outside
+``quality`` imports ``quality`` (the evaluation imports the product, never the reverse).
 """
 
 __version__ = "0.1.0"

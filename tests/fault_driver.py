@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.reference_model import PagedLlama, build_tiny_llama
+from sglang_evict.models.reference_model import PagedLlama, build_tiny_llama
 from sglang_evict.srt.cpu_driver import MemoryDriver
 
 PAGE = 4
@@ -83,7 +83,7 @@ def step_checks(driver: MemoryDriver, witness: KVWitness | None = None):
 def assert_nothing_lost(driver: MemoryDriver, model: PagedLlama, work, result) -> None:
     """Nothing leaked or freed twice (every slot is free or the tree's), and the outputs
     equal a full-cache replay masked to what each step attended to."""
-    from sglang_evict.reference_loop import generate
+    from sglang_evict.models.reference_loop import generate
 
     assert driver.cache.protected_size() == 0
     assert driver.free_tokens() + driver.cache.evictable_size() == driver.num_tokens

@@ -385,7 +385,8 @@ def test_pressure_passes_can_be_turned_off(hooked):
 
 
 def test_serve_flags_set_admission_and_pressure_passes():
-    from sglang_evict import cli, cli_flags
+    from sglang_evict.cli import flags as cli_flags
+    from sglang_evict.cli import main as cli
 
     args, _ = cli.build_parser().parse_known_args(["serve", "--kv-budget", "256"])
     args.page_size = 1

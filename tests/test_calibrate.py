@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from sglang_evict.calibrate import calibrate, held_out_agreement
-from sglang_evict.cli import main
+from sglang_evict.cli.main import main
 from sglang_evict.config import EvictionConfig
-from sglang_evict.reference_loop import GenerationRequest, generate
-from sglang_evict.reference_model import PagedLlama, build_tiny_llama
+from sglang_evict.models.reference_loop import GenerationRequest, generate
+from sglang_evict.models.reference_model import PagedLlama, build_tiny_llama
 from sglang_evict.scorers.triattention import split_rope_pairs
 from sglang_evict.scorers.triattention_stats import load_stats
 from sglang_evict.srt.cpu_driver import MemoryDriver

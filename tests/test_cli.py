@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from sglang_evict.cli import main
+from sglang_evict.cli.main import main
 
 
 def test_console_script_help_runs():
     exe = shutil.which("sglang-evict")
-    command = [exe, "--help"] if exe else [sys.executable, "-m", "sglang_evict.cli", "--help"]
+    command = [exe, "--help"] if exe else [sys.executable, "-m", "sglang_evict.cli.main", "--help"]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     assert "simulate" in result.stdout
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from sglang_evict.calibrate import calibrate
-from sglang_evict.cli import main
-from sglang_evict.reference_model import build_tiny_llama
+from sglang_evict.cli.main import main
+from sglang_evict.models.reference_model import build_tiny_llama
 from sglang_evict.scorers.triattention_stats import save_stats
 
 RESULTS = Path(__file__).resolve().parents[1] / "benches" / "quality" / "results" / "results.json"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_evict.cli import build_parser
+from sglang_evict.cli.main import build_parser
 from sglang_evict.config import DEFAULT_SCORER, EvictionConfig
 from sglang_evict.quality.real import report as real_report
 from sglang_evict.quality.reference import report

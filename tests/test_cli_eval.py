@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_evict.cli import main
+from sglang_evict.cli.main import main
 
 RESULTS = Path(__file__).resolve().parents[1] / "benches" / "quality" / "results" / "results.json"
 

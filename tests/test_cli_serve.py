@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from compactor_service.secrets import REDIS_URL_ENV
-from sglang_evict import cli, cli_flags
 from sglang_evict.calibrate import calibrate
+from sglang_evict.cli import flags as cli_flags
+from sglang_evict.cli import main as cli
 from sglang_evict.scorers.triattention_stats import save_stats
 from sglang_evict.srt.server_args import CONFIG_ENV, config_from_env, parse_server_args
 from tests.sglang_harness import NUM_LAYERS, Engine
@@ -262,7 +263,7 @@ def test_dry_run_without_an_accelerator_says_to_add_device_cpu_in_one_line(model
         pytest.skip("this machine has an accelerator: SGLang picks it without --device")
     command = ["serve", "--kv-budget", "256", "--dry-run", "--model-path", str(model_dir)]
     result = subprocess.run(
-        [sys.executable, "-m", "sglang_evict.cli", *command],
+        [sys.executable, "-m", "sglang_evict.cli.main", *command],
         capture_output=True,
         text=True,
         timeout=300,

@@ -63,7 +63,7 @@ COMPACTOR_VALUE_ERRORS = [
 ]
 
 
-SGLANG_EVICT = ("-c", "import sys; from sglang_evict.cli import main; sys.exit(main())")
+SGLANG_EVICT = ("-c", "import sys; from sglang_evict.cli.main import main; sys.exit(main())")
 
 
 @pytest.mark.parametrize(("flags", "fragments"), COMPACTOR_VALUE_ERRORS)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_evict.reference_loop import GenerationRequest, generate
+from sglang_evict.models.reference_loop import GenerationRequest, generate
 from sglang_evict.srt.cpu_driver import MemoryDriver
 from tests.compactor_process import CompactorProcess
 from tests.fault_driver import PAGE, fault_model, make_driver

@@ -117,7 +117,7 @@ def parser_flags(parser: argparse.ArgumentParser) -> set[str]:
 
 def accepted_flags() -> set[str]:
     from compactor_service.server import build_arg_parser
-    from sglang_evict.cli import build_parser
+    from sglang_evict.cli.main import build_parser
 
     flags = parser_flags(build_parser()) | parser_flags(build_arg_parser())
     try:

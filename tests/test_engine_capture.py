@@ -154,7 +154,7 @@ def test_an_evictable_prompt_is_scored_at_its_first_pass_by_its_prefill_queries(
     pass comes at the second decode step (the window then holds the last prompt queries
     captured at prefill, and the first generated token's) and evicts prompt tokens; the
     outputs equal the reference loop's, which scores the same window."""
-    from sglang_evict.engine_model import _CORPUS
+    from sglang_evict.models.engine_model import _CORPUS
 
     prompt = tokenizer(_CORPUS)["input_ids"][:90]
     new_tokens = 40
@@ -186,7 +186,7 @@ GPU_BACKENDS = {"triton": "TritonAttnBackend", "flashinfer": "FlashInferAttnBack
 def gpu_capture_spec(backend: str, graphs: bool) -> EngineSpec:
     """The GPU test's engine (``tests/test_gpu_preflight.py`` checks on CPU that it
     would start)."""
-    from sglang_evict.engine_model import ensure_engine_model
+    from sglang_evict.models.engine_model import ensure_engine_model
 
     gpu = {
         # head dim 64: FlashInfer's prefill has no kernel for the base model's 16

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_evict.cli import main as cli_main
+from sglang_evict.cli.main import main as cli_main
 from tests.engine_harness import (
     BUDGET,
     EngineSpec,
@@ -36,7 +36,7 @@ def prompts(engine_model):
 @pytest.fixture(scope="module")
 def triattention_stats(engine_model, tmp_path_factory):
     """Statistics calibrated on this model with `sglang-evict calibrate`."""
-    from sglang_evict.engine_model import _CORPUS
+    from sglang_evict.models.engine_model import _CORPUS
 
     folder = tmp_path_factory.mktemp("calibration")
     text = folder / "calibration.txt"

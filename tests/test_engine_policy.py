@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_evict.engine_model import ensure_engine_model
+from sglang_evict.models.engine_model import ensure_engine_model
 from sglang_evict.request_policy import report_of
 from sglang_evict.srt.engine_runner import (
     REQUEST_LINE_PREFIX,

@@ -40,7 +40,7 @@ def real_spec(real_model, **policy) -> EngineSpec:
 def chat_prompts(real_model):
     from transformers import AutoTokenizer
 
-    from sglang_evict.quality.real.needle import chat_ids
+    from sglang_evict.models.prompts import chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(str(real_model))
     questions = ("Describe the ocean in a few sentences.", "List some uses of a bicycle.")

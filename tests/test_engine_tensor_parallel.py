@@ -41,7 +41,7 @@ RANK = re.compile(r" TP(\d+)\] ")
 @pytest.fixture(scope="module")
 def tp_model():
     """Head dim 64 (the tier's kernels) with two KV heads: one per rank."""
-    from sglang_evict.engine_model import ensure_engine_model
+    from sglang_evict.models.engine_model import ensure_engine_model
 
     return ensure_engine_model(variant="head_dim64_kv2")
 

@@ -40,7 +40,7 @@ def prompts(engine_model):
 def tier_model():
     """The engine tests' model with head dim 64 (the tier's kernels hold 64 and 128;
     the base model's is 16), same tokenizer."""
-    from sglang_evict.engine_model import ensure_engine_model
+    from sglang_evict.models.engine_model import ensure_engine_model
 
     return ensure_engine_model(variant="head_dim64")
 

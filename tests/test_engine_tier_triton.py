@@ -39,7 +39,7 @@ NEW_TOKENS = 130  # every request's tier fills, then gives groups up
 def test_the_tier_merged_with_tritons_split_kv_decode_equals_the_reference_loop(
     engines, engine_model
 ):
-    from sglang_evict.engine_model import ensure_engine_model
+    from sglang_evict.models.engine_model import ensure_engine_model
 
     model = ensure_engine_model(variant="head_dim64")
     prompts = shared_system_prompts(engine_model)[:2]
@@ -81,7 +81,7 @@ def gpu_tier_specs() -> dict[str, EngineSpec]:
     """The GPU test's engines, by label: the tier with SGLang's decode CUDA graphs, the
     tier without them, and eviction alone (graphs on) as the control.
     ``tests/test_gpu_preflight.py`` checks on CPU that each would start."""
-    from sglang_evict.engine_model import ensure_engine_model
+    from sglang_evict.models.engine_model import ensure_engine_model
 
     gpu = {
         "model_path": str(ensure_engine_model(variant="head_dim64")),

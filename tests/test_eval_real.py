@@ -109,7 +109,7 @@ def test_settings_refuse_what_cannot_be_measured(fields, message):
 
 def cli(*args, timeout_s: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sglang_evict.cli", *args],
+        [sys.executable, "-m", "sglang_evict.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,

@@ -46,7 +46,7 @@ def test_the_gpu_tests_engines_would_start():
 def test_the_gpu_benchs_engines_would_start(tmp_path):
     """``scripts/gpu_check.sh``'s engine bench, every mode it runs (``engine``'s and
     ``tier``'s defaults), on the bench's own flag: no engine starts."""
-    from sglang_evict.engine_model import ensure_engine_model
+    from sglang_evict.models.engine_model import ensure_engine_model
 
     bench = load("engine_eviction")
     model = str(ensure_engine_model(variant="head_dim64"))

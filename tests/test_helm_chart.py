@@ -471,8 +471,8 @@ def test_the_tier_release_passes_serves_own_checks(render, tmp_path, capsys, mon
     accepts: its dry run, on this machine, validates the flags, the policy and SGLang's
     server arguments against a local model (the model path swapped in)."""
     pytest.importorskip("sglang", reason="serve's dry run checks SGLang's server arguments")
-    from sglang_evict.cli import main
-    from sglang_evict.engine_model import build_engine_model
+    from sglang_evict.cli.main import main
+    from sglang_evict.models.engine_model import build_engine_model
 
     model = build_engine_model(tmp_path / "model", "head_dim64")  # a head dim the tier has
     release = render(

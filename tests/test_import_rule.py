@@ -289,3 +289,32 @@ def test_the_two_quality_evaluations_import_nothing_of_each_other():
                     t for t in graph[name] if t == forbidden or t.startswith(forbidden + ".")
                 )
                 assert not bad, f"{name} imports {bad} of the other evaluation"
+
+
+def test_the_product_never_imports_the_evaluation():
+    """``sglang_evict.quality`` may import the product; nothing else in ``sglang_evict``
+    (nor the kernels or the sidecar) imports it, lazily or not: the CLI finds the
+    evaluation's commands through an entry point (``sglang_evict.commands``)."""
+    names = module_names()
+    graph = {name: project_imports(name, path, set(names)) for name, path in names.items()}
+    evaluation = "sglang_evict.quality"
+    bad = {
+        name: sorted(t for t in targets if t == evaluation or t.startswith(evaluation + "."))
+        for name, targets in graph.items()
+        if not (name == evaluation or name.startswith(evaluation + "."))
+    }
+    bad = {name: targets for name, targets in bad.items() if targets}
+    assert not bad, f"product modules importing the evaluation: {bad}"
+
+
+def test_the_evaluation_checker_sees_a_lazy_import(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from sglang_evict.quality.real.needle import chat_ids\n")
+    known = {"sglang_evict.quality.real.needle"}
+    assert project_imports("sglang_evict.cli.demo", probe, known) == known
+
+
+def test_the_top_of_sglang_evict_holds_at_most_sixteen_modules():
+    """The entry points and the layers; a job with parts is a package of its own."""
+    top = sorted(p.stem for p in PACKAGES["sglang_evict"].glob("*.py") if p.stem != "__init__")
+    assert len(top) <= 16, f"{len(top)} modules at the top of sglang_evict/: {top}"

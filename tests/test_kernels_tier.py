@@ -218,6 +218,7 @@ QUANT_CASES = [
     for outliers in (0, 3)
 ] + [
     pytest.param(3, 3, 128, 32, torch.bfloat16, id="3bit-d128-bf16"),
+    pytest.param(3, 2, 256, 32, torch.bfloat16, id="3bit-d256-bf16"),
     pytest.param(2, 3, 64, 128, torch.float32, id="2bit-g128"),
 ]
 
@@ -256,7 +257,7 @@ ATTENTION_CASES = [
     pytest.param(bits, outliers, 64, id=f"{bits}bit-out{outliers}")
     for bits in SUPPORTED_BITS
     for outliers in (0, 2)
-] + [pytest.param(3, 2, 128, id="3bit-d128")]
+] + [pytest.param(3, 2, 128, id="3bit-d128"), pytest.param(3, 2, 256, id="3bit-d256")]
 
 
 @pytest.mark.parametrize(("bits", "outliers", "head_dim"), ATTENTION_CASES)

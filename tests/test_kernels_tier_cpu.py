@@ -70,6 +70,8 @@ FORMATS = [
     for out in (0, 2)
 ] + [
     pytest.param(dict(bits=3, head_dim=128, outlier_tokens=3), id="3bit-d128"),
+    pytest.param(dict(bits=3, head_dim=256, outlier_tokens=1), id="3bit-d256"),
+    pytest.param(dict(bits=4, head_dim=256, group_tokens=16), id="4bit-d256-g16"),
     pytest.param(dict(bits=4, group_tokens=8, value_group_channels=8), id="4bit-g8-c8"),
     pytest.param(dict(bits=2, group_tokens=64, value_group_channels=64), id="2bit-g64-c64"),
     pytest.param(dict(bits=3, scale_dtype=torch.bfloat16, outlier_tokens=1), id="3bit-bf16"),
@@ -198,6 +200,7 @@ QUANTIZE_FORMATS = [
     for out in (0, 3)
 ] + [
     pytest.param(dict(bits=3, head_dim=128, outlier_tokens=2), torch.float16, id="3bit-d128-f16"),
+    pytest.param(dict(bits=3, head_dim=256, outlier_tokens=2), torch.bfloat16, id="3bit-d256-bf16"),
     pytest.param(dict(bits=4, group_tokens=8, value_group_channels=8), torch.float32, id="g8-c8"),
     pytest.param(
         dict(bits=2, group_tokens=64, value_group_channels=64, outlier_tokens=5),
@@ -303,7 +306,9 @@ def assert_merge_matches_reference(args, fmt, sm_scale):
     got = tier_decode_merge_cpu(*args, fmt, sm_scale=sm_scale)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     if got.dtype == torch.float32:
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        # The scores' sums over D channels, in another order: rounding grows with D.
+        tol = 1e-5 * max(1.0, fmt.head_dim / 64)
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
     else:  # the two round float32 results that differ in their last bits: one step apart
         step = expected.float().abs().clamp(min=2.0**-8) * 2.0**-7
         assert bool(((got.float() - expected.float()).abs() <= step).all())
@@ -317,6 +322,9 @@ MERGE_CASES = [
     pytest.param(dict(bits=3, outlier_tokens=2), torch.bfloat16, 3, id="3bit-bf16-gqa3"),
     pytest.param(dict(bits=2), torch.float32, 1, id="2bit-f32-mha"),
     pytest.param(dict(bits=4, head_dim=128, outlier_tokens=3), torch.bfloat16, 4, id="4bit-d128"),
+    pytest.param(
+        dict(bits=3, head_dim=256, outlier_tokens=2), torch.float32, 4, id="3bit-d256-mqa"
+    ),
     pytest.param(dict(bits=8, scale_dtype=torch.bfloat16), torch.float16, 2, id="8bit-f16"),
 ]
 

@@ -20,7 +20,7 @@ from collections import Counter
 import pytest
 import torch
 
-from sglang_evict.reference_loop import GenerationRequest, generate
+from sglang_evict.models.reference_loop import GenerationRequest, generate
 from tests.compactor_process import CompactorProcess
 from tests.fault_driver import assert_nothing_lost, fault_model, make_driver, step_checks
 from tests.redis_server import RedisServer

@@ -26,7 +26,7 @@ import pytest
 from compactor_service.compactor import FAULT_POINTS, PassAbandoned
 from compactor_service.fence import ClientFence, CompactorFence, PassRevoked
 from compactor_service.runtime_dir import ensure_private_dir
-from sglang_evict.reference_loop import generate
+from sglang_evict.models.reference_loop import generate
 from tests import process_registry
 from tests.compactor_process import CompactorProcess
 from tests.fault_driver import assert_nothing_lost, fault_model, make_driver, step_checks

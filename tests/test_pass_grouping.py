@@ -10,7 +10,7 @@ import json
 import pytest
 from sglang.srt.server_args import ServerArgs
 
-from sglang_evict.cli_flags import add_policy_flags, config_from_args
+from sglang_evict.cli.flags import add_policy_flags, config_from_args
 from sglang_evict.config import DEFAULT_PASS_GRAPH_POOL_MIB, EvictionConfig
 from sglang_evict.passes.grouping import (
     AUTO_MAX_GROUP_STEPS,

@@ -23,8 +23,8 @@ import pytest
 
 from compactor_service.redis_leases import LeaseStoreUnavailable
 from compactor_service.v1 import compactor_pb2 as pb
+from sglang_evict.models.reference_loop import generate
 from sglang_evict.passes.failures import MAX_BACKOFF_STEPS
-from sglang_evict.reference_loop import generate
 from tests.compactor_process import CompactorProcess
 from tests.fault_driver import assert_nothing_lost, fault_model, make_driver, step_checks
 from tests.redis_server import RedisServer

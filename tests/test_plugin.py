@@ -19,7 +19,7 @@ from sglang_evict import metrics as metric_names
 from sglang_evict.calibrate import calibrate
 from sglang_evict.config import EvictionConfig
 from sglang_evict.metrics import EvictionMetrics
-from sglang_evict.reference_model import build_tiny_llama
+from sglang_evict.models.reference_model import build_tiny_llama
 from sglang_evict.scorers.triattention_stats import save_stats
 from sglang_evict.srt import (
     SGLANG_VERSION_TARGET,

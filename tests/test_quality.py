@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_evict.cli import main
+from sglang_evict.cli.main import main
 from sglang_evict.quality.reference import harness, report
 from sglang_evict.quality.reference.task import (
     FACT,

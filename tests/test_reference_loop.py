@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.reference_loop import GenerationRequest, generate
-from sglang_evict.reference_model import PagedLlama, build_tiny_llama
+from sglang_evict.models.reference_loop import GenerationRequest, generate
+from sglang_evict.models.reference_model import PagedLlama, build_tiny_llama
 from sglang_evict.srt.cpu_driver import MemoryDriver
 
 DTYPE = torch.float64

@@ -227,7 +227,7 @@ def test_router_command_refuses_an_unreachable_worker_and_one_without_the_plugin
     replicas, router = fleet
     alive = next(replica for replica in replicas if replica.alive)
     refused = subprocess.run(
-        [sys.executable, "-m", "sglang_evict.cli", "router", "--worker-urls", alive.url,
+        [sys.executable, "-m", "sglang_evict.cli.main", "router", "--worker-urls", alive.url,
          "http://127.0.0.1:9", "--wait-s", "2", "--dry-run"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
@@ -235,7 +235,7 @@ def test_router_command_refuses_an_unreachable_worker_and_one_without_the_plugin
     assert refused.stderr.count("\n") == 1
     assert "worker http://127.0.0.1:9 did not answer /get_server_info within 2 s" in refused.stderr
     checked = subprocess.run(
-        [sys.executable, "-m", "sglang_evict.cli", "router", "--worker-urls", alive.url,
+        [sys.executable, "-m", "sglang_evict.cli.main", "router", "--worker-urls", alive.url,
          "--dry-run", "--prometheus-port", "29111"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
@@ -245,7 +245,7 @@ def test_router_command_refuses_an_unreachable_worker_and_one_without_the_plugin
     # A server that answers /get_server_info without the plugin's state (here the router
     # itself, a plausible mistake; plain SGLang answers the same way): refused by name.
     plain = subprocess.run(
-        [sys.executable, "-m", "sglang_evict.cli", "router", "--worker-urls", alive.url,
+        [sys.executable, "-m", "sglang_evict.cli.main", "router", "--worker-urls", alive.url,
          router.url, "--dry-run"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

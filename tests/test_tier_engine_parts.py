@@ -84,7 +84,8 @@ def test_the_arena_is_carved_from_the_pool_in_whole_pages():
         page_size=16,
     )
     fmt = config.tier_format(64)
-    assert plan.arena_bytes == (plan.num_groups + 1) * (group_bytes(fmt, 30, 3, torch.bfloat16) + 4)
+    per_slot = group_bytes(fmt, 30, 3, torch.bfloat16) + 4 + 4 * fmt.group_tokens
+    assert plan.arena_bytes == (plan.num_groups + 1) * per_slot
     assert plan.arena_bytes <= 0.25 * 20_000 * per_token
     assert plan.pool_tokens_after % 16 == 0
     taken = plan.pool_tokens_before - plan.pool_tokens_after
@@ -183,7 +184,7 @@ def test_the_metrics_report_the_tiers_tokens_bytes_and_quantized_tokens():
 def test_the_dry_runs_bytes_line_adds_the_full_bound_and_a_full_tier():
     from types import SimpleNamespace
 
-    from sglang_evict.serve_command import tier_bytes_line
+    from sglang_evict.cli.serve_command import tier_bytes_line
     from sglang_evict.tier.policy import full_bytes_per_token, tier_bytes_per_token
 
     hf = SimpleNamespace(

@@ -161,7 +161,7 @@ def test_without_an_eligible_candidate_the_rule_says_so(tmp_path):
 def test_a_needle_answer_holds_the_bytes_it_was_given():
     """The tiny model (2 layers, head dim 64) through the paged reference path: after
     the prompt's pass the request holds the spend's bytes (the answer's token beside)."""
-    from sglang_evict.reference_model import PagedLlama, build_tiny_llama
+    from sglang_evict.models.reference_model import PagedLlama, build_tiny_llama
 
     model = PagedLlama(build_tiny_llama(seed=3, hidden_size=256, num_heads=4, num_kv_heads=2))
     shape = Shape.of(model)
@@ -306,10 +306,10 @@ def test_the_quantized_cache_peer_on_the_real_model(tmp_path, real_model, real_t
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from sglang_evict.models.reference_model import PagedLlama
     from sglang_evict.quality import peer_env
     from sglang_evict.quality.real import qcache
     from sglang_evict.quality.real.needle import build_samples
-    from sglang_evict.reference_model import PagedLlama
 
     venv = qcache.QCACHE.default_venv()
     if peer_env.probe(qcache.QCACHE, venv) is None:

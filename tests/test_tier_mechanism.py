@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.reference_loop import GenerationRequest, generate
-from sglang_evict.reference_model import KVBuffers, PagedLlama, build_tiny_llama
+from sglang_evict.models.reference_loop import GenerationRequest, generate
+from sglang_evict.models.reference_model import KVBuffers, PagedLlama, build_tiny_llama
 from sglang_evict.srt.cpu_driver import MemoryDriver
 from sglang_evict_kernels.tier_format import dequantize_groups_reference, quantize_groups_reference
 

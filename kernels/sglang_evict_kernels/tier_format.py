@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 SUPPORTED_BITS = (2, 3, 4, 8)
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # 256: Gemma 2 and 3
 SCALE_DTYPES = (torch.float16, torch.bfloat16)
 PACK_CHUNK = 8  # codes per chunk of ``bits`` bytes
 # OTT found no outlier tokens in the first two layers (its ablation, section 4).

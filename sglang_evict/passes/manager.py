@@ -62,8 +62,10 @@ shaped like the positions table, valid for the first ``compacted_len`` entries);
 pass stores every survivor's score there, moved with it.
 
 Invariants (tests call ``check_request`` after every operation): positions are
-distinct and below the next position; the appended tail is contiguous; and the
-protected ranges the host counts rely on (``passes.batch.counts``) are held in full.
+distinct and below the next position; the appended tail is contiguous; the
+protected ranges the host counts rely on (``passes.batch.counts``) are held in full;
+and a request's tier groups hold distinct positions below the next, none of them also
+held in full precision.
 """
 
 from __future__ import annotations
@@ -612,3 +614,12 @@ class EvictionManager:
         if not protected <= held:
             missing = sorted(protected - held)[:8]
             raise AssertionError(f"request {rid}: protected positions {missing} are not held")
+        if self.tier_arena is not None:
+            tiered = [p for group in self.tier_arena.positions_of(rid) for p in group]
+            if len(set(tiered)) != len(tiered) or min(tiered, default=0) < 0:
+                raise AssertionError(f"request {rid}: its tier groups repeat or miss positions")
+            if set(tiered) & held:
+                both = sorted(set(tiered) & held)[:8]
+                raise AssertionError(f"request {rid}: positions {both} in the tier and in full")
+            if tiered and max(tiered) >= next_position:
+                raise AssertionError(f"request {rid}: a tier position is beyond the next token's")

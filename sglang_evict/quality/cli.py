@@ -268,8 +268,8 @@ _NO_SCORERS = _NoScorers()
 
 def _real_inputs(args, settings):
     """The model folder, the text file and triattention's statistics, checked."""
+    from sglang_evict.models.real_model import ensure_real_model, ensure_real_text
     from sglang_evict.quality.real import evaluation as real_eval
-    from sglang_evict.real_model import ensure_real_model, ensure_real_text
 
     model = Path(args.model) if args.model else ensure_real_model()
     real_eval.check_model(model)

@@ -22,6 +22,8 @@ what differs between the two is in ``versioned``, nowhere else. Everything else 
     tier            the quantized tier's arena carved from    KVCacheConfigurator,
                     the KV pool; decode attention merged      ModelRunner,
                     with the tier's (log-sum-exp)             AttentionBackend.forward
+    windows         windowed layers follow logical positions  TorchNativeAttnBackend
+                    after compaction (``torch_native``)       (forward_decode)
     backend         EvictingRadixCache + registered factory   RadixCache, TreeNode
     hooks           decode-step passes, decode positions      ScheduleBatch, ForwardBatch
     admission       admission and retraction see an evicting  PrefillAdder, ScheduleBatch
@@ -39,6 +41,9 @@ what differs between the two is in ``versioned``, nowhere else. Everything else 
                     demo, quality harness)                    alloc_for_decode, release
     introspection   the plugin's state in get_server_info,    Scheduler (internal
                     the idle check, the per-pass log line     state, idle check)
+    cpu_platform    SGLang's base platform with the CPU as   SRTPlatform (platform
+                    its device (``SGLANG_PLATFORM``): the     plugins)
+                    MoE families on a CPU-only machine
     engine_runner   SGLang's engine in a child process of     sglang.Engine
                     its own, its log read (tests, demo)
     preflight       whether an engine would start, checked    ServerArgs, ModelConfig,
@@ -138,6 +143,7 @@ def install() -> None:
     from sglang_evict.srt.server_args import BACKEND_NAME
     from sglang_evict.srt.tier import _after_alloc_memory_pool as _after_alloc_tier
     from sglang_evict.srt.tier import _after_attention_forward
+    from sglang_evict.srt.windows import HOOK_TORCH_NATIVE_DECODE, _after_forward_decode
 
     if BACKEND_NAME in registered_radix_cache_backends():
         return
@@ -154,6 +160,7 @@ def install() -> None:
     HookRegistry.register(HOOK_ALLOC_POOL, _after_alloc_tier, HookType.AFTER)
     HookRegistry.register(HOOK_ATTENTION_FORWARD, _before_attention_forward, HookType.BEFORE)
     HookRegistry.register(HOOK_ATTENTION_FORWARD, _after_attention_forward, HookType.AFTER)
+    HookRegistry.register(HOOK_TORCH_NATIVE_DECODE, _after_forward_decode, HookType.AFTER)
     HookRegistry.register(HOOK_RUNNING_OFFSET, _after_running_offset, HookType.AFTER)
     HookRegistry.register(HOOK_ADD_ONE_REQ, _around_add_one_req, HookType.AROUND)
     HookRegistry.register(HOOK_CHECK_DECODE_MEM, _after_check_decode_mem, HookType.AFTER)

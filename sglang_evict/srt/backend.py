@@ -18,7 +18,12 @@ from sglang_evict.srt.introspection import log_passes_enabled, log_request
 from sglang_evict.srt.manager import forward_stream_of, make_manager
 from sglang_evict.srt.pools import free_slots
 from sglang_evict.srt.request_policy import request_limits, settle_report
-from sglang_evict.srt.server_args import check_startup, config_from_env, model_facts_of_context
+from sglang_evict.srt.server_args import (
+    check_startup,
+    config_from_env,
+    model_facts_of_context,
+    model_warnings,
+)
 from sglang_evict.srt.tp import TP_REDUCED_SCORERS, tp_score_reducer
 from sglang_evict.srt.versioned import RequestLifecycle
 
@@ -113,7 +118,11 @@ class EvictingRadixCache(EvictingCache, RequestLifecycle, RadixCache):
 def radix_cache_factory(ctx) -> EvictingRadixCache:
     """The factory registered as ``--radix-cache-backend sglang-evict``."""
     config = config_from_env(ctx.params.page_size)
-    check_startup(ctx.server_args, config, model_facts_of_context(ctx))
+    facts = model_facts_of_context(ctx)
+    check_startup(ctx.server_args, config, facts)
+    if ctx.model_config is not None:
+        for line in model_warnings(facts):
+            logger.warning("%s", line)
     cache = EvictingRadixCache(ctx.params, config)
     cache.evictor.request_limits = request_limits(config, ctx.tp_size)
     if not pass_graphs_on(config, ctx.server_args, cache.evictor.device):

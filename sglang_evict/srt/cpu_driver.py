@@ -60,7 +60,7 @@ class MemoryDriver:
                        prepare_for_decode advances, the ForwardBatch hook's positions
         finish         release_kv_cache
 
-    The model (``sglang_evict.reference_model``) reads and writes K/V at the slots this
+    The model (``sglang_evict.models.reference_model``) reads and writes K/V at the slots this
     returns. Used by ``sglang-evict demo`` and the tests.
     """
 
@@ -320,7 +320,7 @@ class MemoryDriver:
         arena = self.tier_arena
         if arena is None or not arena.groups_of(req.rid):
             return None
-        from sglang_evict.reference_model import TierContext
+        from sglang_evict.models.reference_model import TierContext
 
         table, counts = arena.table([req.rid])
         return TierContext(arena.stores, table, counts, arena.fmt)

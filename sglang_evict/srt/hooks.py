@@ -48,7 +48,12 @@ from sglang_evict.passes.manager import DueRequest, EvictionManager, PassResult
 from sglang_evict.srt.active import Active
 from sglang_evict.srt.backend import EvictingRadixCache
 from sglang_evict.srt.capture import on_forward_batch
-from sglang_evict.srt.introspection import log_pass, log_passes_enabled
+from sglang_evict.srt.introspection import (
+    kept_record,
+    log_kept_enabled,
+    log_pass,
+    log_passes_enabled,
+)
 from sglang_evict.srt.request_policy import policy_of
 from sglang_evict.srt.versioned import kv_lengths, set_kv_len
 from sglang_evict_kernels import to_device
@@ -179,6 +184,9 @@ def run_passes(
             }
             for r in results
         ]
+        if log_kept_enabled():
+            for entry, r in zip(logged, results, strict=True):
+                entry.update(kept_record(manager, r.rid, r.tokens_after))
         free_slots_after = manager.pool.allocator.available_size()
         log_pass(
             logged,

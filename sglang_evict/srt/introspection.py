@@ -22,6 +22,12 @@ idle-time check that it holds no per-request state, and an optional log line per
   and one per finished request (``sglang-evict request {...}``): its id and the report
   its ``meta_info["sglang_evict"]`` carries (for clients that do not see meta_info,
   such as the OpenAI routes).
+* ``SGLANG_EVICT_LOG_KEPT=1`` (with the above): each request of a pass record also
+  lists what it keeps from there on: ``kept_positions`` (the logical positions held in
+  full precision, in row order), ``tier_positions`` (each tier group's positions) and
+  ``next_position`` (the position of the token it generates next). Reads the device
+  after every pass (a synchronisation on a GPU): the trace the masked reference
+  replays (``sglang_evict.models.masked_reference``), for tests and debugging.
 """
 
 from __future__ import annotations
@@ -41,10 +47,29 @@ LOG_PASSES_ENV = "SGLANG_EVICT_LOG_PASSES"
 PASS_LINE_PREFIX = "sglang-evict pass "  # engine_runner.parse_pass_lines reads it
 REQUEST_LINE_PREFIX = "sglang-evict request "
 DEBUG_TREE_ENV = "SGLANG_EVICT_DEBUG_TREE"
+LOG_KEPT_ENV = "SGLANG_EVICT_LOG_KEPT"
+
+
+def _switched_on(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0", "false")
 
 
 def log_passes_enabled() -> bool:
-    return os.environ.get(LOG_PASSES_ENV, "") not in ("", "0", "false")
+    return _switched_on(LOG_PASSES_ENV)
+
+
+def log_kept_enabled() -> bool:
+    return _switched_on(LOG_KEPT_ENV)
+
+
+def kept_record(manager, rid: str, kv_len: int) -> dict:
+    """What request ``rid`` keeps after a pass (``LOG_KEPT_ENV``; reads the device)."""
+    arena = manager.tier_arena
+    return {
+        "kept_positions": manager.positions(rid, kv_len).tolist(),
+        "tier_positions": [] if arena is None else arena.positions_of(rid),
+        "next_position": kv_len + manager.position_offset(rid),
+    }
 
 
 def log_pass(
@@ -78,13 +103,14 @@ def log_request(rid: str, report: dict) -> None:
 
 
 def plugin_report(manager, totals: PassTotals) -> dict:
-    from sglang_evict.srt import capture, tier
+    from sglang_evict.srt import capture, tier, windows
 
     report = {"tracked_requests": manager.num_tracked_requests(), **asdict(totals)}
     report["pass_failure_streak"] = manager.failures.streak
     report["forced_completions"] = manager.forced_completions
     report["query_capture"] = capture.report()
     report["tier"] = tier.report()
+    report["windows"] = dict(windows.CALLS)
     if manager.group_choice is not None:  # --kv-pass-group-steps auto: the choice
         report["pass_grouping"] = {"mode": "auto", **manager.group_choice.report()}
     else:

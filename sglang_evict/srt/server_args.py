@@ -318,7 +318,7 @@ def startup_problems(
     if config.tier_bits is not None:
         problems.extend(_tier_problems(server_args, config))
     if model is not None:
-        problems.extend(_model_problems(config, model))
+        problems.extend(_model_problems(server_args, config, model))
     return problems
 
 
@@ -397,7 +397,76 @@ def _tier_problems(server_args, config: EvictionConfig) -> list[str]:
     return problems
 
 
-def _model_problems(config: EvictionConfig, model: ModelFacts) -> list[str]:
+# The architectures the engine tests run (``sglang_evict.models.families``: identity
+# with the masked reference in SGLang's engine, with eviction and with the tier);
+# another one starts with a warning naming these (``model_warnings``).
+VALIDATED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+# The decode backend windowed layers follow logical positions in (``srt.windows``).
+WINDOWED_BACKENDS = ("torch_native",)
+
+
+def model_windows(model: ModelFacts) -> tuple[int, ...]:
+    """The windows of the model's windowed layers (empty: full attention everywhere),
+    as SGLang gives them (``srt.windows.layer_windows``)."""
+    if model.hf_text_config is None:
+        return ()
+    from sglang_evict.srt.windows import layer_windows
+
+    return tuple(w for w in layer_windows(model.hf_text_config) if w >= 0)
+
+
+def model_warnings(model: ModelFacts) -> list[str]:
+    """What the plugin says about a model it runs without having validated it."""
+    names = [a for a in model.architectures if a not in VALIDATED_ARCHITECTURES]
+    if not names and model.architectures:
+        return []
+    shown = ", ".join(names) or f"no architectures in {model.path}/config.json"
+    return [
+        f"sglang-evict has not validated {shown} (its engine tests run "
+        f"{', '.join(VALIDATED_ARCHITECTURES)}): check its answers with eviction against "
+        f"plain SGLang's before serving it (docs/serving.md, Supported models)"
+    ]
+
+
+def _window_problems(server_args, config: EvictionConfig, model: ModelFacts) -> list[str]:
+    windows = model_windows(model)
+    if not windows:
+        return []
+    names = ", ".join(model.architectures) or model.path
+    widest = max(windows)
+    problems = []
+    backend = getattr(server_args, "decode_attention_backend", None) or getattr(
+        server_args, "attention_backend", None
+    )
+    if backend not in WINDOWED_BACKENDS:
+        chosen = f"--attention-backend {backend}" if backend else "SGLang's default backend"
+        problems.append(
+            f"{names} has sliding-window layers (window {widest}): with {chosen} they would "
+            f"be windowed by KV index, which after compaction reaches past the window; "
+            f"sglang-evict makes windows follow logical positions under --attention-backend "
+            f"{' or '.join(WINDOWED_BACKENDS)} only so far: pass it, or serve this model "
+            f"without sglang-evict"
+        )
+    if config.tier_bits is not None and config.window_tokens < widest:
+        problems.append(
+            f"--kv-tier-bits with --kv-window {config.window_tokens} on {names}: its "
+            f"windowed layers (window {widest}) do not read the tier, so the recent window "
+            f"must cover theirs; pass --kv-window {widest} or more"
+        )
+    return problems
+
+
+def _model_problems(server_args, config: EvictionConfig, model: ModelFacts) -> list[str]:
     from sglang_evict.calibrate import check_stats_fit_model
 
     refused = [what for attribute, what in _MODEL_REFUSALS if getattr(model, attribute)]
@@ -408,6 +477,11 @@ def _model_problems(config: EvictionConfig, model: ModelFacts) -> list[str]:
             f"MHA/GQA model whose KV lives in MHATokenToKVPool "
             f"(see docs/serving.md, Supported models)"
         ]
+    problems = _window_problems(server_args, config, model)
+    if config.tier_bits is not None and model.hf_text_config is not None:
+        problems.extend(_tier_model_problems(config, model))
+    if problems:
+        return problems
     stats = getattr(config.make_scorer(), "stats", None)
     if stats is None or model.hf_text_config is None:
         return []
@@ -416,6 +490,31 @@ def _model_problems(config: EvictionConfig, model: ModelFacts) -> list[str]:
     except ValueError as error:
         return [f"--kv-scorer-stats {config.scorer_params.get('stats_path')}: {error}"]
     return []
+
+
+def _tier_model_problems(config: EvictionConfig, model: ModelFacts) -> list[str]:
+    """The tier against the model's attention: its head dim and logit soft-capping."""
+    from sglang_evict_kernels.tier_format import SUPPORTED_HEAD_DIMS
+
+    text = model.hf_text_config
+    names = ", ".join(model.architectures) or model.path
+    problems = []
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (
+        text.hidden_size // heads if heads and getattr(text, "hidden_size", None) else None
+    )
+    if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
+        problems.append(
+            f"--kv-tier-bits on {names}: its head dim is {head_dim}, the tier's kernels hold "
+            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}; drop --kv-tier-*"
+        )
+    cap = getattr(text, "attn_logit_softcapping", None)
+    if cap:
+        problems.append(
+            f"--kv-tier-bits on {names}: it caps attention logits (attn_logit_softcapping "
+            f"{cap}) and the tier's attention has no logit cap yet; drop --kv-tier-*"
+        )
+    return problems
 
 
 def check_startup(server_args, config: EvictionConfig, model: ModelFacts | None) -> None:

@@ -60,6 +60,7 @@ from sglang_evict.config import EvictionConfig
 from sglang_evict.srt.capture import kv_bytes_per_token_of, plugin_policy
 from sglang_evict.srt.server_args import TIER_BACKENDS, tier_backend_refused
 from sglang_evict.srt.versioned import attention_tp_size
+from sglang_evict.srt.windows import layer_window
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,12 @@ class _Tier:
     # full side's log-sum-exp came from triton's split-KV stage 1 (the rest: computed
     # again over the keys torch_native read)
     calls: dict = field(
-        default_factory=lambda: {"decode_merged": 0, "decode_without": 0, "split_kv_lse": 0}
+        default_factory=lambda: {
+            "decode_merged": 0,
+            "decode_without": 0,
+            "decode_windowed": 0,
+            "split_kv_lse": 0,
+        }
     )
     # CPU: the tier's side of the merge (``cpu_attention``) and what it is
     cpu_attention: object | None = None
@@ -132,7 +138,7 @@ def plan_tier(
 ) -> TierPlan:
     """The arena for this pool and the whole pages left to the pool. Raises
     ``ValueError`` naming the flags when either would be empty."""
-    from sglang_evict.tier.arena import arena_groups_for_share, group_bytes
+    from sglang_evict.tier.arena import arena_groups_for_share, group_bytes, slot_overhead_bytes
 
     fmt = config.tier_format(head_dim)
     groups = arena_groups_for_share(
@@ -149,7 +155,7 @@ def plan_tier(
             f"holds no tier group; raise it, --mem-fraction-static or --max-total-tokens"
         )
     arena_bytes = (groups + 1) * group_bytes(fmt, num_layers, kv_heads, full_dtype)
-    arena_bytes += (groups + 1) * 4  # the groups' scores
+    arena_bytes += (groups + 1) * slot_overhead_bytes(fmt)  # scores and positions
     taken = -(-arena_bytes // kv_bytes_per_token)
     after = (pool_tokens - taken) // page_size * page_size
     if after < page_size:
@@ -315,10 +321,13 @@ def merge_decode(o, q, layer, forward_batch, arena, backend):
     if host_reads and not bool((counts > 0).any()):
         STATE.calls["decode_without"] += 1
         return o
-    if getattr(layer, "logit_cap", 0) or (getattr(layer, "sliding_window_size", -1) or -1) > -1:
+    if layer_window(layer) >= 0:  # no tier token lies in a window (srt.windows)
+        STATE.calls["decode_windowed"] += 1
+        return o
+    if getattr(layer, "logit_cap", 0):
         raise RuntimeError(
-            "sglang-evict: the quantized tier does not support attention with a logit cap or "
-            "a sliding window yet; drop --kv-tier-*"
+            "sglang-evict: the quantized tier does not support attention with a logit cap "
+            "yet; drop --kv-tier-*"
         )
     hq, d = layer.tp_q_head_num, layer.qk_head_dim
     queries = q.reshape(-1, hq, d)

@@ -16,7 +16,7 @@ log-sum-exp merge; eviction only beyond the tier.
              full tier gives up chosen on the device
 
 ``sglang_evict.passes.manager`` runs ``demotion`` inside a pass; the reference model
-(``sglang_evict.reference_model.TierContext``) merges the tier's attention with the
+(``sglang_evict.models.reference_model.TierContext``) merges the tier's attention with the
 full-precision pages'.
 
 The format, its reference quantizer and the kernels (quantize-and-pack, decode

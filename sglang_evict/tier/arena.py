@@ -13,6 +13,9 @@ memory the server owns and counts), and never grows::
     free        the slots no request owns (host, a stack)
     score       float32 [num_groups + 1] on the device: each held group's score (the
                 highest of its tokens' scores when it entered), what a full tier compares
+    positions   int32 [num_groups + 1, G] on the device: the logical position of each
+                of a held group's tokens (-1: none), in position order; what the
+                invariants and the kept-set trace read (``SGLANG_EVICT_LOG_KEPT``)
     row tables  (``enable_rows``, SGLang's engine) int32 [request rows, max groups] and
                 [request rows] on the device: each request-pool row's slots and their
                 count, what the decode step's attention reads by ``req_pool_indices``
@@ -45,6 +48,12 @@ def group_bytes(fmt: TierFormat, num_layers: int, kv_heads: int, full_dtype: tor
     )
 
 
+def slot_overhead_bytes(fmt: TierFormat) -> int:
+    """Bytes a group slot holds beside its stores: its score (float32) and its tokens'
+    positions (int32 each)."""
+    return 4 + 4 * fmt.group_tokens
+
+
 def arena_groups_for_share(
     *,
     share: float,
@@ -55,12 +64,12 @@ def arena_groups_for_share(
     full_dtype: torch.dtype,
 ) -> int:
     """Group slots that ``share`` of ``kv_pool_bytes`` holds (the trash slot and each
-    slot's score included in the bytes)."""
+    slot's score and positions included in the bytes)."""
     if not 0.0 < share < 1.0:
         raise ValueError(
             f"--kv-tier-pool-share {share}: the share of the KV memory the tier takes, in (0, 1)"
         )
-    per_group = group_bytes(fmt, num_layers, kv_heads, full_dtype) + 4  # float32 score
+    per_group = group_bytes(fmt, num_layers, kv_heads, full_dtype) + slot_overhead_bytes(fmt)
     return max(0, math.floor(share * kv_pool_bytes / per_group) - 1)
 
 
@@ -98,6 +107,9 @@ class TierArena:
             for layer in range(num_layers)
         ]
         self.scores = torch.zeros(num_groups + 1, dtype=torch.float32, device=self.device)
+        self.positions = torch.full(
+            (num_groups + 1, fmt.group_tokens), -1, dtype=torch.int32, device=self.device
+        )
         self._free = list(range(num_groups - 1, -1, -1))  # pop() hands out slot 0 first
         self.owned: dict[str, list[int]] = {}
         self.row_table: Tensor | None = None
@@ -167,7 +179,17 @@ class TierArena:
 
     def nbytes(self) -> int:
         """Bytes the arena's tensors hold on the device (every layer, trash included)."""
-        return sum(store.nbytes() for store in self.stores) + self.scores.numel() * 4
+        extra = self.scores.numel() * 4 + self.positions.numel() * 4
+        return sum(store.nbytes() for store in self.stores) + extra
+
+    def positions_of(self, rid: str) -> list[list[int]]:
+        """The positions of each group ``rid`` holds, in the order it got them (reads
+        the device: tests and the kept-set trace only)."""
+        slots = self.owned.get(rid, [])
+        if not slots:
+            return []
+        index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return self.positions.index_select(0, index).cpu().tolist()
 
     def table(self, rids: list[str], device=None) -> tuple[Tensor, Tensor]:
         """``(group_table [B, max groups] int32, num_groups [B] int32)`` of ``rids`` for

@@ -13,8 +13,8 @@ Two steps, so that a pass that fails before anything moved leaves the tier as it
         given up); then every group quantized from the pool's slots into a scratch
         store, one quantize call per layer for the whole pass
     commit (after the moves, with the pass's own commit)
-        the scratch groups written at their slots, their scores stored, the fresh
-        slots handed to their requests (host)
+        the scratch groups written at their slots, their scores and positions stored,
+        the fresh slots handed to their requests (host)
 
 Nothing here reads device data on the host: the counts (groups per request, fresh
 slots, groups given up) are host ints the pass already knows, and the choices made on
@@ -57,6 +57,7 @@ class Demotion:
     requests: list[RequestDemotion]
     targets: Tensor  # int64 [groups]: the arena slot of each new group (trash: given up)
     scores: Tensor  # float32 [groups]
+    positions: Tensor  # int32 [groups, G]: each new group's logical positions
     scratch: list[TierStore]  # per layer, the groups quantized
 
 
@@ -87,7 +88,7 @@ def prepare(
     device = slots.device
     free_left = arena.free_groups
     parts: list[RequestDemotion] = []
-    token_slots, targets, new_group_scores = [], [], []
+    token_slots, token_positions, targets, new_group_scores = [], [], [], []
     fresh_base = 0  # fresh slots promised to the requests before this one
     for i, (rid, demoted, bound) in enumerate(zip(rids, demoted_tokens, max_groups, strict=True)):
         new = demoted // g
@@ -99,6 +100,7 @@ def prepare(
         dropped = new - fresh  # groups over the bound or the arena, old or new
         order = _cold_order(valid[i], keep[i], positions[i], new * g)
         token_slots.append(slots[i].index_select(0, order).view(new, g))
+        token_positions.append(positions[i].index_select(0, order).view(new, g))
         cleaned = torch.nan_to_num(
             scores[i].index_select(0, order).float(), nan=-1e30, posinf=1e30, neginf=-1e30
         )
@@ -126,7 +128,13 @@ def prepare(
         )
         quantize_into(store, index, k_buffer, v_buffer, all_tokens, arena.fmt)
         scratch.append(store)
-    return Demotion(parts, torch.cat(targets), torch.cat(new_group_scores), scratch)
+    return Demotion(
+        parts,
+        torch.cat(targets),
+        torch.cat(new_group_scores),
+        torch.cat(token_positions).to(torch.int32),
+        scratch,
+    )
 
 
 def _targets(
@@ -161,6 +169,7 @@ def commit(arena: TierArena, demotion: Demotion) -> None:
     for store, scratch in zip(arena.stores, demotion.scratch, strict=True):
         store.write(demotion.targets, scratch)
     arena.scores.index_copy_(0, demotion.targets, demotion.scores)
+    arena.positions.index_copy_(0, demotion.targets, demotion.positions)
     for part in demotion.requests:
         arena.take(part.rid, part.fresh, row=part.row)
 

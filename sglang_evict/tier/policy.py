@@ -19,7 +19,9 @@ otherwise run a pass per step that demotes nothing.
 What a request holds is counted in bytes (``kv_bytes``) across every layer and KV
 head, and, for an allocator that counts token slots, in full-precision token slots
 (``tier_slot_equivalent``); ``max_kv_bytes`` is the most a request can hold, the one
-bound admission reads.
+bound admission reads; ``tier_token_ratio`` is a tier token's bytes over a full one's
+for a model's ``ModelShape`` (the accounting the demo, the benches and the quality
+evaluation share).
 """
 
 from __future__ import annotations
@@ -163,6 +165,47 @@ def max_kv_bytes(
         kv_heads=kv_heads,
         full_dtype=full_dtype,
     )
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the byte accounting needs of a model: layers, KV heads, head dim."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model) -> ModelShape:
+        """The shape of an object with ``num_layers``, ``num_kv_heads``, ``head_dim``."""
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim)
+
+    @classmethod
+    def of_config(cls, config: dict) -> ModelShape:
+        """The shape a Hugging Face ``config.json`` (as a dict) declares; a multimodal
+        config's ``text_config`` when it has one."""
+        config = config.get("text_config") or config
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        return cls(config["num_hidden_layers"], config.get("num_key_value_heads", heads), head_dim)
+
+    @classmethod
+    def of_folder(cls, model_path) -> ModelShape:
+        """The shape a model folder's ``config.json`` declares."""
+        import json
+        from pathlib import Path
+
+        return cls.of_config(json.loads((Path(model_path) / "config.json").read_text()))
+
+
+def tier_token_ratio(
+    fmt: TierFormat, shape: ModelShape, full_dtype: torch.dtype = torch.bfloat16
+) -> float:
+    """A tier token's bytes over a full-precision token's, across every layer and KV
+    head of ``shape``; full precision in ``full_dtype`` (bfloat16 unless asked: what a
+    GPU server holds)."""
+    args = (fmt, shape.num_layers, shape.num_kv_heads, full_dtype)
+    return tier_bytes_per_token(*args) / full_bytes_per_token(*args)
 
 
 def tier_slot_equivalent(

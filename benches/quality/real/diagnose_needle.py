@@ -58,9 +58,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from sglang_evict.models.real_model import ensure_real_model, ensure_real_text
+    from sglang_evict.models.reference_model import KVBuffers, PagedLlama
     from sglang_evict.quality.real.needle import build_samples
-    from sglang_evict.real_model import ensure_real_model, ensure_real_text
-    from sglang_evict.reference_model import KVBuffers, PagedLlama
     from sglang_evict.scorers.window import weights_from_logits
 
     torch.manual_seed(0)

@@ -19,8 +19,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from sglang_evict.quality.real.needle import chat_ids  # noqa: E402
-from sglang_evict.real_model import ensure_real_model  # noqa: E402
+from sglang_evict.models.prompts import chat_ids  # noqa: E402
+from sglang_evict.models.real_model import ensure_real_model  # noqa: E402
 
 TOPICS = (
     "how bread rises", "the life of a honeybee", "why the sky is blue", "how to learn a new "

@@ -306,7 +306,7 @@ Inputs attention_inputs(const torch::Tensor& q, const torch::Tensor& table,
   in.slots = k_codes.size(0);
   in.c = group_channels;
   in.no = out_index.size(2);
-  TORCH_CHECK((in.d == 64 || in.d == 128) && in.c % 8 == 0 && in.d % in.c == 0 &&
+  TORCH_CHECK((in.d == 64 || in.d == 128 || in.d == 256) && in.c % 8 == 0 && in.d % in.c == 0 &&
                   in.hq % in.h == 0,
               "tier CPU kernel: head dim ", in.d, " / value group ", in.c, " / heads ", in.hq,
               " over ", in.h, " do not fit");
@@ -328,8 +328,10 @@ Inputs attention_inputs(const torch::Tensor& q, const torch::Tensor& table,
 inline void attend_task(const Inputs& in, int64_t bits, int64_t row, int64_t head, Scratch& s) {
   if (in.d == 64)
     attend_bits<8>(in, bits, row, head, s);
-  else
+  else if (in.d == 128)
     attend_bits<16>(in, bits, row, head, s);
+  else
+    attend_bits<32>(in, bits, row, head, s);
 }
 
 // The full-precision side's inputs: the pool's keys and each request's slots.

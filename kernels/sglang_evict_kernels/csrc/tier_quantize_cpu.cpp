@@ -44,7 +44,7 @@ struct QuantScratch {
         codes(in.d), vs(in.d), vz(in.d), norms(in.g), is_out(in.g) {}
 };
 
-constexpr int kLanes = 16;  // channels per vector; the head dim is 64 or 128
+constexpr int kLanes = 16;  // channels per vector; the head dim is 64, 128 or 256
 using V = Vec<float, kLanes>;
 using V8 = Vec<float, 8>;  // a value block's channels (a multiple of 8)
 
@@ -209,7 +209,7 @@ void tier_quantize(at::Tensor k_buffer, at::Tensor v_buffer, at::Tensor token_sl
   in.no = out_index.size(2);
   in.bits = bits;
   TORCH_CHECK(token_slots.size(1) == in.g && k_buffer.size(1) == in.h && in.pd * 8 == in.d * bits &&
-                  in.c % 8 == 0 && in.d % in.c == 0 && (in.d == 64 || in.d == 128) && in.no < in.g,
+                  in.c % 8 == 0 && in.d % in.c == 0 && (in.d == 64 || in.d == 128 || in.d == 256) && in.no < in.g,
               "tier CPU quantize: the buffers, slots and store do not fit one format");
   const int64_t tokens = k_buffer.size(0), slots = k_codes.size(0);
   const int64_t* ts = token_slots.data_ptr<int64_t>();

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sglang_evict.real_model import WEIGHTS_NOTE
+from sglang_evict.models.real_model import WEIGHTS_NOTE
 
 RESULTS_FORMAT = "sglang-evict/real-model-quality"
 RESULTS_VERSION = 1
@@ -229,8 +229,8 @@ def _run_perplexity(model_path, tokenizer, text, settings, results, stats, path,
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
+    from sglang_evict.models.reference_model import PagedLlama
     from sglang_evict.quality.real import perplexity as ppl
-    from sglang_evict.reference_model import PagedLlama
 
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     sequences = ppl.sequences(ids, settings.ppl_length, settings.ppl_sequences)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from sglang_evict.config import EvictionConfig
+from sglang_evict.tier.policy import ModelShape as Shape
+from sglang_evict.tier.policy import tier_token_ratio
 
 BYTES_DTYPE = torch.bfloat16  # the accounting's full precision (module docstring)
 
@@ -90,30 +92,6 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class Shape:
-    """What the byte accounting needs of a model."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def of(cls, model) -> Shape:
-        return cls(model.num_layers, model.num_kv_heads, model.head_dim)
-
-    @classmethod
-    def of_folder(cls, model_path) -> Shape:
-        """The shape a model folder's ``config.json`` declares (a Llama-family config)."""
-        import json
-        from pathlib import Path
-
-        config = json.loads((Path(model_path) / "config.json").read_text())
-        heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        return cls(config["num_hidden_layers"], config.get("num_key_value_heads", heads), head_dim)
-
-
-@dataclass(frozen=True)
 class Spend:
     """How a candidate spends ``fraction`` of ``length`` tokens' full-precision bytes."""
 
@@ -125,11 +103,7 @@ class Spend:
 def tier_ratio(candidate: Candidate, shape: Shape, full_dtype: torch.dtype = BYTES_DTYPE) -> float:
     """A tier token's bytes over a full-precision token's (every layer and KV head),
     full precision in ``full_dtype`` (the accounting's bfloat16 unless asked)."""
-    from sglang_evict.tier.policy import full_bytes_per_token, tier_bytes_per_token
-
-    fmt = _format(candidate, shape)
-    args = (fmt, shape.num_layers, shape.num_kv_heads, full_dtype)
-    return tier_bytes_per_token(*args) / full_bytes_per_token(*args)
+    return tier_token_ratio(_format(candidate, shape), shape, full_dtype)
 
 
 def _format(candidate: Candidate, shape: Shape):
@@ -243,7 +217,7 @@ def needle_answer(
     """Greedy answer ids of one needle prompt through the paged reference path
     (``config`` None: the full cache), what it held right after the prompt's pass
     (the decode step after prefill; None without one), and the passes run."""
-    from sglang_evict.reference_loop import GenerationRequest, generate
+    from sglang_evict.models.reference_loop import GenerationRequest, generate
     from sglang_evict.srt.cpu_driver import MemoryDriver
 
     length = len(prompt_ids)

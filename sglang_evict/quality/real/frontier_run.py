@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from sglang_evict.models.real_model import WEIGHTS_NOTE
 from sglang_evict.quality.real.evaluation import save_results as save
 from sglang_evict.quality.real.frontier import (
     Candidate,
@@ -25,7 +26,6 @@ from sglang_evict.quality.real.frontier import (
     spend,
 )
 from sglang_evict.quality.real.frontier_engine import ENGINE_CANDIDATES
-from sglang_evict.real_model import WEIGHTS_NOTE
 
 RESULTS_FORMAT = "sglang-evict/tier-frontier"
 # The rule's candidates (docs/quality.md): 2, 3 and 4 bits; groups of 32 and 64; the
@@ -123,9 +123,9 @@ def run(model_path: Path, text_path: Path, out: Path, settings: FrontierSettings
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from sglang_evict.models.reference_model import PagedLlama
     from sglang_evict.quality.real import perplexity as ppl
     from sglang_evict.quality.real.needle import build_samples
-    from sglang_evict.reference_model import PagedLlama
 
     started = time.perf_counter()
     path = out / "results.json"

@@ -36,6 +36,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from sglang_evict.models.prompts import chat_ids
+
 PLACES = (
     "Lisbon", "Oslo", "Nairobi", "Quito", "Hanoi", "Tbilisi", "Reykjavik", "Montevideo",
     "Kraków", "Osaka", "Tallinn", "Accra", "Cusco", "Perth", "Valletta", "Bergen",
@@ -238,12 +240,3 @@ def build_samples(
         for depth in depths
         for index in range(first_index, first_index + per_depth)
     ]
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` through the tokenizer's chat template, ready for the
-    assistant's turn (transformers 4 returns a list, 5 may return an encoding)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys") and "input_ids" in ids:
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]

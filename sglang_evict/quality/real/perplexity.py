@@ -68,8 +68,8 @@ def sequence_nll(
 ) -> tuple[float, int, dict]:
     """``(sum of NLL, tokens scored, facts)`` of one sequence through the decode path
     (``config`` None: the full cache)."""
+    from sglang_evict.models.reference_loop import GenerationRequest, generate
     from sglang_evict.quality.forced import TeacherForcedDriver
-    from sglang_evict.reference_loop import GenerationRequest, generate
 
     prompt, forced = list(tokens[:PROMPT_TOKENS]), list(tokens[PROMPT_TOKENS:])
     recording = _RecordingModel(model)

