@@ -45,7 +45,7 @@ EXTERNAL_FLAGS = {
     "helm": {"--create-namespace"},
     "pytest": {"--strict-markers", "--dist", "--durations"},
 }
-README_MAX_LINES = 300
+README_MAX_LINES = 200
 
 
 def slug(heading: str) -> str:

@@ -233,14 +233,12 @@ def test_an_abort_and_a_retraction_leave_the_idle_check_clean(family_engine, tok
 
 
 def test_mixtral_does_not_load_in_sglangs_cpu_engine(tmp_path):
-    """SGLang 0.5.17's transformers backend names Mixtral's experts by transformers 5's
-    in-memory layout while the checkpoint keeps ``block_sparse_moe``: loading stops
-    (``TransformersMoEForCausalLM.load_weights``), plain SGLang as with the plugin."""
+    """SGLang's transformers backend (0.5.17 and 0.5.23 alike) names Mixtral's experts
+    by transformers 5's in-memory layout while the checkpoint keeps ``block_sparse_moe``:
+    loading stops (``TransformersMoEForCausalLM.load_weights``), plain SGLang as with the
+    plugin."""
     from sglang_evict.srt.engine_runner import EngineError, EngineProcess, cpu_engine_kwargs
-    from sglang_evict.srt.versioned import IS_0_5_23
 
-    if IS_0_5_23:
-        pytest.skip("checked on SGLang 0.5.17, the release the families table records")
     path = ensure_family_model("mixtral")
     engine = EngineProcess(
         cpu_engine_kwargs(path, max_total_tokens=POOL_TOKENS),

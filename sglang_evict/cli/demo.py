@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         )
     print(
         f"demo: SGLang's engine {_engines_words(policies)}, {what}; {args.requests} requests "
-        f"sharing a system prompt, {min(len(p) for p in prompts)}-{prompt_tokens}-token "
+        f"sharing {'a preamble' if style == COMPLETION else 'a system prompt'}, "
+        f"{min(len(p) for p in prompts)}-{prompt_tokens}-token "
         f"prompts, up to {args.new_tokens} new tokens each (greedy); page size {page_size}, "
         f"budget {config.kv_budget_tokens}, cadence {config.cadence_tokens}, scorer "
         f"{config.scorer}, compaction {config.compaction}{tier_words}"
