@@ -13,6 +13,8 @@ gemma3_gguf        Gemma 3 270M's GGUF joined from its chunk packages, and its
 prompts            how a prompt is put to each real model (chat template or plain
                    completion)
 reference_model    ``PagedLlama``: a Llama whose attention reads a paged KV pool
+paged_model        ``PagedModel``: any architecture's own transformers model over a
+                   paged KV pool (the reference path beyond Llama)
 reference_loop     greedy generation through SGLang's memory classes (CPU)
 masked_reference   any architecture's own transformers model on the full cache,
                    each decode step attending only to the positions a run kept

@@ -120,12 +120,12 @@ def build_engine_model(out: str | os.PathLike, variant: str = "base") -> Path:
     tokenizer.save_pretrained(out)
     # No chat template of its own: SGLang's OpenAI routes then use a plain one.
     (out / "BUILD.json").write_text(
-        json.dumps({"model_version": MODEL_VERSION, "files": _digests(out)}, indent=1) + "\n"
+        json.dumps({"model_version": MODEL_VERSION, "files": folder_digests(out)}, indent=1) + "\n"
     )
     return out
 
 
-def _digests(folder: Path) -> dict[str, str]:
+def folder_digests(folder: Path) -> dict[str, str]:
     return {
         path.name: hashlib.sha256(path.read_bytes()).hexdigest()
         for path in sorted(folder.iterdir())
@@ -156,7 +156,7 @@ def ensure_engine_model(folder: str | os.PathLike | None = None, variant: str = 
                 recorded = json.loads(manifest.read_text())
                 if recorded.get("model_version") == MODEL_VERSION and recorded.get(
                     "files"
-                ) == _digests(folder):
+                ) == folder_digests(folder):
                     return folder
             except (ValueError, OSError):
                 pass

@@ -29,7 +29,6 @@ engine tests' contexts, so eviction and the window meet within a few passes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -155,7 +154,7 @@ def build_family_model(name: str, out: str | os.PathLike) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sglang_evict.models.engine_model import VOCAB_SIZE, build_tokenizer
+    from sglang_evict.models.engine_model import VOCAB_SIZE, build_tokenizer, folder_digests
 
     family = family_of(name)
     out = Path(out)
@@ -179,21 +178,13 @@ def build_family_model(name: str, out: str | os.PathLike) -> Path:
                 "family_version": FAMILY_VERSION,
                 "family": name,
                 "spec": family.spec(),
-                "files": _digests(out),
+                "files": folder_digests(out),
             },
             indent=1,
         )
         + "\n"
     )
     return out
-
-
-def _digests(folder: Path) -> dict[str, str]:
-    return {
-        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(folder.iterdir())
-        if path.is_file() and path.name != "BUILD.json"
-    }
 
 
 def default_family_dir(name: str) -> Path:
@@ -206,6 +197,8 @@ def ensure_family_model(name: str, folder: str | os.PathLike | None = None) -> P
     """Family ``name``'s folder, built on first use (reused when its files are intact),
     one builder at a time."""
     import fcntl
+
+    from sglang_evict.models.engine_model import folder_digests
 
     family = family_of(name)
     folder = Path(folder) if folder is not None else default_family_dir(name)
@@ -220,7 +213,7 @@ def ensure_family_model(name: str, folder: str | os.PathLike | None = None) -> P
             recorded.get("family_version") == FAMILY_VERSION
             and recorded.get("family") == name
             and recorded.get("spec") == family.spec()
-            and recorded.get("files") == _digests(folder)
+            and recorded.get("files") == folder_digests(folder)
         ):
             return folder
         return build_family_model(name, folder)

@@ -199,10 +199,8 @@ def extract_gguf(wheel_path: Path, out_dir: Path) -> Path:
     return target
 
 
-def convert_gguf(gguf_path: Path, out: Path, tokenizer=None) -> None:
-    """Dequantise the GGUF into a Hugging Face folder (float32 safetensors, tokenizer,
-    chat template) at ``out``; ``tokenizer``: one built apart (else transformers'
-    conversion of the GGUF's)."""
+def require_gguf_packages() -> None:
+    """``RealModelError`` naming the extra unless ``gguf`` and ``accelerate`` import."""
     try:
         import accelerate  # noqa: F401  transformers refuses GGUF without it
         import gguf  # noqa: F401
@@ -211,6 +209,13 @@ def convert_gguf(gguf_path: Path, out: Path, tokenizer=None) -> None:
             f"converting the GGUF needs the {error.name!r} package: pip install -e "
             f"'.[realmodel]' (or pip install gguf accelerate)"
         ) from None
+
+
+def convert_gguf(gguf_path: Path, out: Path, tokenizer=None) -> None:
+    """Dequantise the GGUF into a Hugging Face folder (float32 safetensors, tokenizer,
+    chat template) at ``out``; ``tokenizer``: one built apart (else transformers'
+    conversion of the GGUF's)."""
+    require_gguf_packages()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -307,13 +312,7 @@ def _build_gemma3(wheels: list[Path], work: Path, staging: Path) -> dict:
             f"expected {g.GGUF_SHA256}: a chunk wheel is corrupt or of another release; "
             f"delete them and download again"
         )
-    try:
-        import gguf  # noqa: F401  the tokenizer is read from the GGUF
-    except ImportError as error:
-        raise RealModelError(
-            f"converting the GGUF needs the {error.name!r} package: pip install -e "
-            f"'.[realmodel]' (or pip install gguf accelerate)"
-        ) from None
+    require_gguf_packages()  # the tokenizer is read from the GGUF first
     convert_gguf(target, staging, tokenizer=g.bpe_tokenizer(target))
     (staging / "GEMMA_TERMS.html").write_bytes(terms)
     return {"source": GEMMA3_WHEELS[0].requirement, "gguf_sha256": g.GGUF_SHA256}

@@ -146,33 +146,34 @@ class PagedLlama:
             probs = torch.softmax(scores, dim=-1)
             out = torch.einsum("htn,nhd->thd", probs, values)
             if tier is not None and int(tier.num_groups[0]) > 0:
-                out = self._merge_tier(q[0], scores, out, tier, layer_index, scale)
+                out = merge_tier(q[0], scores, out, tier, layer_index, scale)
             out = out.reshape(1, num_tokens, -1)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.model.lm_head(inner.norm(hidden))[0]
 
-    def _merge_tier(
-        self, q: Tensor, scores: Tensor, out: Tensor, tier: TierContext, layer: int, scale: float
-    ) -> Tensor:
-        """``out`` ``[T, heads, head_dim]`` (attention over the context, whose masked
-        ``scores`` are ``[heads, T, N]``) merged with each query's attention over the
-        tier."""
-        from sglang_evict_kernels.tier_attention import (
-            merge_attention_states,
-            tier_attention_reference,
-        )
 
-        num_tokens = q.shape[1]
-        queries = q.transpose(0, 1)  # [T, heads, head_dim]
-        o_tier, lse_tier = tier_attention_reference(
-            queries,
-            tier.stores[layer],
-            tier.group_table.expand(num_tokens, -1),
-            tier.num_groups.expand(num_tokens),
-            tier.fmt,
-            sm_scale=scale,
-        )
-        lse_context = torch.logsumexp(scores.float(), dim=-1).transpose(0, 1)  # [T, heads]
-        merged, _ = merge_attention_states(out.float(), lse_context, o_tier, lse_tier)
-        return merged.to(out.dtype)
+def merge_tier(
+    q: Tensor, scores: Tensor, out: Tensor, tier: TierContext, layer: int, scale: float
+) -> Tensor:
+    """``out`` ``[T, heads, head_dim]`` (attention over the context, whose masked
+    ``scores`` are ``[heads, T, N]``) merged with each query's attention over the
+    tier."""
+    from sglang_evict_kernels.tier_attention import (
+        merge_attention_states,
+        tier_attention_reference,
+    )
+
+    num_tokens = q.shape[1]
+    queries = q.transpose(0, 1)  # [T, heads, head_dim]
+    o_tier, lse_tier = tier_attention_reference(
+        queries,
+        tier.stores[layer],
+        tier.group_table.expand(num_tokens, -1),
+        tier.num_groups.expand(num_tokens),
+        tier.fmt,
+        sm_scale=scale,
+    )
+    lse_context = torch.logsumexp(scores.float(), dim=-1).transpose(0, 1)  # [T, heads]
+    merged, _ = merge_attention_states(out.float(), lse_context, o_tier, lse_tier)
+    return merged.to(out.dtype)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from sglang_evict.models.real_model import weights_note_of
 from sglang_evict.triton_env import use_triton_interpreter_without_gpu
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "benches" / "quality" / "checkpoint"
@@ -187,6 +188,13 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
         raise ValueError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
 
 
+def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
+    values = _ints(text, flag)
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag}: {text!r}: give positive integers, comma-separated")
+    return values
+
+
 def _floats(text: str, flag: str) -> tuple[float, ...]:
     try:
         return tuple(float(p) for p in text.split(",") if p.strip())
@@ -232,7 +240,7 @@ def _eval_real(args: argparse.Namespace) -> int:
     settings = dataclasses.replace(real_eval.RealEvalSettings(), **base, **fields)
     model, text, stats = _real_inputs(args, settings)
     print(
-        f"eval-real: {model} ({real_eval.WEIGHTS_NOTE}); tasks {list(settings.tasks)}; "
+        f"eval-real: {model} ({weights_note_of(model)}); tasks {list(settings.tasks)}; "
         f"scorers {list(settings.scorers)}; needle budgets {list(settings.fractions)} of "
         f"haystacks {list(settings.contexts)}; perplexity budgets {list(settings.ppl_budgets)} "
         f"of {settings.ppl_sequences} x {settings.ppl_length} tokens; kvpress "
@@ -268,10 +276,13 @@ _NO_SCORERS = _NoScorers()
 
 def _real_inputs(args, settings):
     """The model folder, the text file and triattention's statistics, checked."""
-    from sglang_evict.models.real_model import ensure_real_model, ensure_real_text
+    from sglang_evict.models.real_model import REAL_MODELS, ensure_real_model, ensure_real_text
     from sglang_evict.quality.real import evaluation as real_eval
 
-    model = Path(args.model) if args.model else ensure_real_model()
+    if args.model is None or args.model in REAL_MODELS:
+        model = ensure_real_model(model=args.model or "smollm2")
+    else:
+        model = Path(args.model)
     real_eval.check_model(model)
     text = Path(args.text) if args.text else ensure_real_text()
     if not text.is_file():
@@ -306,6 +317,7 @@ def _eval_tier(args: argparse.Namespace) -> int:
     for name, value in (
         ("candidates", args.candidates and tuple(c.strip() for c in args.candidates.split(","))),
         ("fractions", args.fractions and _fractions(args.fractions, "--fractions")),
+        ("contexts", args.contexts and _positive_ints(args.contexts, "--contexts")),
         ("kinds", args.kinds and tuple(k.strip() for k in args.kinds.split(","))),
         ("depths", args.depths and _floats(args.depths, "--depths")),
         ("per_depth", args.per_depth),
@@ -339,7 +351,7 @@ def _eval_tier(args: argparse.Namespace) -> int:
         raise ValueError(f"--kinds {unknown}: known needle kinds {list(KINDS)}")
     model, text, _ = _real_inputs(args, _NO_SCORERS)
     print(
-        f"eval-tier: {model} ({frontier.WEIGHTS_NOTE}); {len(settings.candidates)} "
+        f"eval-tier: {model} ({weights_note_of(model)}); {len(settings.candidates)} "
         f"candidates at KV bytes {list(settings.fractions)}; needles {list(settings.kinds)}; "
         f"perplexity {'on' if settings.ppl else 'off'}; transformers' quantized cache "
         f"{'on' if settings.peers else 'off'}; kvpress {'on' if settings.kvpress else 'off'}; "
@@ -455,7 +467,12 @@ def add_quality_commands(commands) -> None:
         "results.json, results.md and results.png to --out.",
     )
     real.add_argument("--out", default="real-model-quality", help="output folder")
-    real.add_argument("--model", default=None, help="model folder (default: real-model)")
+    real.add_argument(
+        "--model",
+        default=None,
+        help="a real model (smollm2, the default, or gemma3-270m: sglang-evict real-model) "
+        "or a model folder",
+    )
     real.add_argument("--text", default=None, help="haystack text (default: real-text)")
     real.add_argument("--quick", action="store_true", help="the whole matrix, small")
     real.add_argument("--tasks", default="needle,perplexity")
@@ -490,7 +507,12 @@ def add_quality_commands(commands) -> None:
         "picks the tier's defaults) and results.png (the frontier) to --out.",
     )
     tier.add_argument("--out", default="tier-frontier", help="output folder")
-    tier.add_argument("--model", default=None, help="model folder (default: real-model)")
+    tier.add_argument(
+        "--model",
+        default=None,
+        help="a real model (smollm2, the default, or gemma3-270m: sglang-evict real-model) "
+        "or a model folder",
+    )
     tier.add_argument("--text", default=None, help="haystack text (default: real-text)")
     tier.add_argument("--quick", action="store_true", help="three candidates, small")
     tier.add_argument(
@@ -522,6 +544,12 @@ def add_quality_commands(commands) -> None:
         "--first-index", type=int, default=None, help="first needle index (1000: evaluation)"
     )
     tier.add_argument("--fractions", default=None, help="KV bytes held: 0.25,0.125")
+    tier.add_argument(
+        "--contexts",
+        default=None,
+        help="haystack sizes in tokens (1000); a model with sliding windows needs room for "
+        "its window in full precision beside the tier (Gemma 3: 4000 at 1/4 of the bytes)",
+    )
     tier.add_argument("--kinds", default=None, help="needle kinds: code7,code5,word,time")
     tier.add_argument("--depths", default=None, help="needle depths: 0.2,0.5,0.8")
     tier.add_argument("--per-depth", type=int, default=None, help="needles per depth (2)")

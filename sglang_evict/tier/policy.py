@@ -169,16 +169,20 @@ def max_kv_bytes(
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the byte accounting needs of a model: layers, KV heads, head dim."""
+    """What the byte accounting needs of a model: layers, KV heads, head dim; and its
+    widest sliding window (0: none), which a tier's recent window must cover."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    window_tokens: int = 0
 
     @classmethod
     def of(cls, model) -> ModelShape:
-        """The shape of an object with ``num_layers``, ``num_kv_heads``, ``head_dim``."""
-        return cls(model.num_layers, model.num_kv_heads, model.head_dim)
+        """The shape of an object with ``num_layers``, ``num_kv_heads``, ``head_dim``
+        (and ``windows``, each layer's window, -1 for none, when it has windows)."""
+        window = max((w for w in getattr(model, "windows", ()) if w >= 0), default=0)
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim, window)
 
     @classmethod
     def of_config(cls, config: dict) -> ModelShape:

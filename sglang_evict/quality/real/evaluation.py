@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sglang_evict.models.real_model import WEIGHTS_NOTE
+from sglang_evict.models.real_model import WEIGHTS_NOTE, weights_note_of
 
 RESULTS_FORMAT = "sglang-evict/real-model-quality"
 RESULTS_VERSION = 1
@@ -109,8 +109,9 @@ QUICK = dict(
 
 
 def check_model(model_path: Path) -> dict:
-    """The folder's config.json, refused in one line unless it is a Llama-family Hugging
-    Face folder (what the engine's CPU settings and the reference loop run)."""
+    """The folder's config.json, refused in one line unless it holds an architecture the
+    engine tests validate (``srt.server_args.VALIDATED_ARCHITECTURES``: what the
+    engine's CPU settings and the reference path, ``models.paged_model``, run)."""
     config_path = model_path / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -121,13 +122,13 @@ def check_model(model_path: Path) -> dict:
         ) from None
     except (OSError, ValueError) as error:
         raise ValueError(f"--model {model_path}: config.json cannot be read ({error})") from None
+    from sglang_evict.srt.server_args import VALIDATED_ARCHITECTURES
+
     architectures = config.get("architectures") or []
-    if config.get("model_type") not in ("llama", "mistral", "qwen2") or not any(
-        a.endswith("ForCausalLM") for a in architectures
-    ):
+    if not any(a in VALIDATED_ARCHITECTURES for a in architectures):
         raise ValueError(
-            f"--model {model_path}: {architectures or config.get('model_type')} is not a "
-            f"Llama-family causal LM (model_type llama, mistral or qwen2)"
+            f"--model {model_path}: {architectures or config.get('model_type')} is not an "
+            f"architecture the evaluation runs; one of {', '.join(VALIDATED_ARCHITECTURES)}"
         )
     return config
 
@@ -175,8 +176,12 @@ def run(
     results = load_results(path)
     results["settings"] = asdict(settings)
     results["model"] = str(model_path)
+    results["weights"] = weights_note_of(model_path)
     results["text"] = str(text_path)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    from sglang_evict.quality.real.needle import prompt_style_of
+
+    results["prompt_style"] = prompt_style_of(tokenizer)
     text = text_path.read_text(encoding="utf-8")
     if "triattention" in settings.scorers and stats is None:
         raise ValueError(
@@ -229,7 +234,7 @@ def _run_perplexity(model_path, tokenizer, text, settings, results, stats, path,
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from sglang_evict.models.reference_model import PagedLlama
+    from sglang_evict.models.paged_model import paged_model
     from sglang_evict.quality.real import perplexity as ppl
 
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -240,7 +245,7 @@ def _run_perplexity(model_path, tokenizer, text, settings, results, stats, path,
     if not todo:
         return sequences
     hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
-    model = PagedLlama(hf)
+    model = paged_model(hf)
     steps = settings.ppl_sequences * (settings.ppl_length - ppl.PROMPT_TOKENS)
     bar = tqdm(
         total=len(runs) * steps,

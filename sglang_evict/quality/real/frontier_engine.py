@@ -123,6 +123,8 @@ def run_engine_needles(
     answers = results.setdefault("engine_needle", {})
     candidates = [Candidate.parse(c) for c in settings.engine_candidates]
     tier = _tier_candidate(candidates)
+    if tier is not None:  # one server window: a tier server's covers the model's windows
+        window_tokens = max(window_tokens, shape.window_tokens)
     plans = plan_requests(
         samples,
         candidates,

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from sglang_evict.models.real_model import WEIGHTS_NOTE
+from sglang_evict.models.real_model import WEIGHTS_NOTE, weights_note_of
 from sglang_evict.quality.real.evaluation import save_results as save
 from sglang_evict.quality.real.frontier import (
     Candidate,
@@ -123,19 +123,21 @@ def run(model_path: Path, text_path: Path, out: Path, settings: FrontierSettings
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sglang_evict.models.reference_model import PagedLlama
+    from sglang_evict.models.paged_model import paged_model
     from sglang_evict.quality.real import perplexity as ppl
-    from sglang_evict.quality.real.needle import build_samples
+    from sglang_evict.quality.real.needle import build_samples, prompt_style_of
 
     started = time.perf_counter()
     path = out / "results.json"
     results = load(path)
     results["settings"] = asdict(settings)
     results["model"], results["text"] = str(model_path), str(text_path)
+    results["weights"] = weights_note_of(model_path)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    results["prompt_style"] = prompt_style_of(tokenizer)
     text = text_path.read_text(encoding="utf-8")
     hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
-    model = PagedLlama(hf)
+    model = paged_model(hf)
     shape = Shape.of(model)
     samples = build_samples(
         text,
@@ -172,7 +174,7 @@ def run(model_path: Path, text_path: Path, out: Path, settings: FrontierSettings
             lambda: save(results, path),
             page_size=PAGE_SIZE,
             sink_tokens=SINK_TOKENS,
-            window_tokens=WINDOW_TOKENS,
+            window_tokens=WINDOW_TOKENS,  # raised for the tier by the model's window
             progress=progress,
             log_dir=out,
         )
@@ -284,7 +286,6 @@ def _needles(model, tokenizer, shape, samples, runs, settings, results, path, pr
         if _needle_key(s, c, f, settings) not in results["needle"]
     ]
     bar = tqdm(total=len(todo), desc="needle", unit="answer", disable=not progress)
-    min_budget = SINK_TOKENS + WINDOW_TOKENS + 1
     try:
         for sample, candidate, fraction in todo:
             bar.set_postfix_str(f"{candidate.name if candidate else 'full'} {fraction or ''}")
@@ -297,7 +298,7 @@ def _needles(model, tokenizer, shape, samples, runs, settings, results, path, pr
                         fraction=fraction,
                         length=length,
                         shape=shape,
-                        min_budget=min_budget,
+                        min_budget=SINK_TOKENS + window_for(candidate, shape) + 1,
                     )
                 except ValueError as error:  # too few bytes for it: a row saying so
                     results["needle"][_needle_key(sample, candidate, fraction, settings)] = {
@@ -309,7 +310,7 @@ def _needles(model, tokenizer, shape, samples, runs, settings, results, path, pr
                     }
                     bar.update(1)
                     continue
-                config = _config(candidate, spent)
+                config = _config(candidate, spent, shape)
             begun = time.perf_counter()
             ids, held, passes = needle_answer(
                 model,
@@ -341,13 +342,24 @@ def _needles(model, tokenizer, shape, samples, runs, settings, results, path, pr
         bar.close()
 
 
-def _config(candidate: Candidate, spent, cadence_tokens: int = 64, evict_prompt: bool = True):
+def window_for(candidate: Candidate | None, shape) -> int:
+    """The recent window a candidate keeps: ``WINDOW_TOKENS``, raised for a tier to the
+    model's widest sliding window (its windowed layers do not read the tier: the server
+    refuses a narrower one)."""
+    if candidate is not None and candidate.bits is not None:
+        return max(WINDOW_TOKENS, shape.window_tokens)
+    return WINDOW_TOKENS
+
+
+def _config(
+    candidate: Candidate, spent, shape, cadence_tokens: int = 64, evict_prompt: bool = True
+):
     return config_for(
         candidate,
         spent,
         page_size=PAGE_SIZE,
         sink_tokens=SINK_TOKENS,
-        window_tokens=WINDOW_TOKENS,
+        window_tokens=window_for(candidate, shape),
         cadence_tokens=cadence_tokens,
         evict_prompt=evict_prompt,
     )
@@ -372,7 +384,6 @@ def _perplexity(model, shape, sequences, runs, settings, results, path, progress
     todo = [(c, f) for c, f in runs if _ppl_key(c, f, settings) not in results["perplexity"]]
     bar = tqdm(total=len(todo), desc="perplexity", unit="run", disable=not progress)
     # The prompt (16 tokens) is protected; the window and sinks as in the needle task.
-    min_budget = ppl.PROMPT_TOKENS + WINDOW_TOKENS + 1
     try:
         for candidate, fraction in todo:
             config, spent = None, None
@@ -383,7 +394,7 @@ def _perplexity(model, shape, sequences, runs, settings, results, path, progress
                         fraction=fraction,
                         length=settings.ppl_length,
                         shape=shape,
-                        min_budget=min_budget,
+                        min_budget=ppl.PROMPT_TOKENS + window_for(candidate, shape) + 1,
                     )
                 except ValueError as error:  # too few bytes for it: a row saying so
                     results["perplexity"][_ppl_key(candidate, fraction, settings)] = {
@@ -393,7 +404,7 @@ def _perplexity(model, shape, sequences, runs, settings, results, path, progress
                     }
                     bar.update(1)
                     continue
-                config = _config(candidate, spent, cadence_tokens=32, evict_prompt=False)
+                config = _config(candidate, spent, shape, cadence_tokens=32, evict_prompt=False)
             record = ppl.perplexity(model, sequences, config, page_size=PAGE_SIZE)
             results["perplexity"][_ppl_key(candidate, fraction, settings)] = {
                 "candidate": "full" if candidate is None else candidate.name,

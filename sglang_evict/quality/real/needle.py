@@ -10,6 +10,10 @@ One sample::
              "\\n\\nQuestion: What is the secret code of the <place> archive? ..."
     answer   the model's greedy continuation; found when it contains the code
 
+or, for a base model (a tokenizer without a chat template: ``prompt_style_of``), the same
+text to continue: ``<haystack>\n\nQuestion: ...\nAnswer: The secret code of the <place>
+archive is`` (the needle sentence's opening, ``Needle.cloze``).
+
 The needles are generated, never tuned: a place from a fixed list and, per kind, what
 the answer must copy, from a seeded generator (``needle_for``), each kind in one fixed
 sentence form (``KINDS``):
@@ -36,7 +40,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sglang_evict.models.prompts import chat_ids
+from sglang_evict.models.prompts import chat_ids, completion_ids
 
 PLACES = (
     "Lisbon", "Oslo", "Nairobi", "Quito", "Hanoi", "Tbilisi", "Reykjavik", "Montevideo",
@@ -91,6 +95,12 @@ class Needle:
     def question(self) -> str:
         return KINDS[self.kind][1].format(place=self.place)
 
+    @property
+    def cloze(self) -> str:
+        """The needle sentence up to what it hides ("The secret code of the Oslo archive
+        is"): what a base model is asked to continue."""
+        return KINDS[self.kind][0].split("{code}")[0].format(place=self.place).rstrip()
+
 
 @dataclass(frozen=True)
 class NeedleSample:
@@ -143,20 +153,36 @@ def sentences(text: str) -> list[str]:
     return [" ".join(s.split()) for s in re.split(r"(?<=[.?!])\s+", text) if s.strip()]
 
 
+# How a sample's prompt is put to the model: through its chat template (an
+# instruction-tuned model), or as text for a base model to continue: the haystack, the
+# question, then "Answer:" and the needle sentence's opening (``Needle.cloze``).
+CHAT, COMPLETION = "chat", "completion"
+PROMPT_STYLES = (CHAT, COMPLETION)
+
+
+def prompt_style_of(tokenizer) -> str:
+    """``chat`` when the tokenizer has a chat template, else ``completion``."""
+    return CHAT if getattr(tokenizer, "chat_template", None) else COMPLETION
+
+
 def build_sample(
     text_sentences: Sequence[str],
     count_tokens: Callable[[str], int],
-    encode_chat: Callable[[list[dict]], list[int]],
+    encode: Callable[[list[dict] | str], list[int]],
     *,
     context_tokens: int,
     depth: float,
     index: int,
     kind: str = "code7",
+    style: str = CHAT,
 ) -> NeedleSample:
     """The sample (``context_tokens``, ``depth``, ``index``): a haystack of as many whole
     sentences as fit in ``context_tokens`` tokens from a seeded offset, the needle at
-    ``depth`` of it, the question after it, through the chat template (the prompt is the
-    haystack plus about 70 tokens)."""
+    ``depth`` of it, the question after it, through the chat template (``encode`` gets
+    the messages) or as text to continue (``style`` ``completion``: ``encode`` gets the
+    text); the prompt is the haystack plus about 70 tokens."""
+    if style not in PROMPT_STYLES:
+        raise ValueError(f"prompt style {style!r}; known: {list(PROMPT_STYLES)}")
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"needle depth {depth} is outside [0, 1]")
     seed = hash_seed(context_tokens, depth, index, kind)
@@ -180,16 +206,21 @@ def build_sample(
         position += 1
     at = round(depth * len(chosen))
     haystack = " ".join([*chosen[:at], needle.sentence, *chosen[at:]])
-    messages = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"{haystack}\n\n{needle.question}"},
-    ]
+    if style == COMPLETION:
+        prompt = encode(f"{haystack}\n\n{needle.question}\nAnswer: {needle.cloze}")
+    else:
+        prompt = encode(
+            [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"{haystack}\n\n{needle.question}"},
+            ]
+        )
     return NeedleSample(
         context_tokens=context_tokens,
         depth=depth,
         index=index,
         needle=needle,
-        prompt_ids=tuple(encode_chat(messages)),
+        prompt_ids=tuple(prompt),
     )
 
 
@@ -209,9 +240,12 @@ def build_samples(
     per_depth: int = 1,
     first_index: int = 0,
     kinds: Sequence[str] = ("code7",),
+    style: str | None = None,
 ) -> list[NeedleSample]:
     """Every (size, depth, index) sample over ``text`` with ``tokenizer`` (an HF
-    tokenizer with a chat template), indexes ``first_index`` .. ``+ per_depth - 1``."""
+    tokenizer), indexes ``first_index`` .. ``+ per_depth - 1``; ``style``: the prompt
+    style (default: ``prompt_style_of(tokenizer)``)."""
+    style = prompt_style_of(tokenizer) if style is None else style
     text_sentences = sentences(text)
     if not text_sentences:
         raise ValueError("the haystack text holds no sentences")
@@ -219,8 +253,10 @@ def build_samples(
     def count(sentence: str) -> int:
         return len(tokenizer(sentence, add_special_tokens=False)["input_ids"])
 
-    def encode(messages: list[dict]) -> list[int]:
-        return chat_ids(tokenizer, messages)
+    def encode(prompt: list[dict] | str) -> list[int]:
+        if style == COMPLETION:
+            return completion_ids(tokenizer, prompt)
+        return chat_ids(tokenizer, prompt)
 
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown or not kinds:
@@ -234,6 +270,7 @@ def build_samples(
             depth=depth,
             index=index,
             kind=kind,
+            style=style,
         )
         for kind in kinds
         for size in context_sizes
