@@ -120,7 +120,7 @@ def cli(*args, timeout_s: float = 300) -> subprocess.CompletedProcess:
     ("case", "args", "needle"),
     [
         ("budget above the context", ("--budgets", "3/2"), "evicts nothing"),
-        ("not a llama folder", ("--model", "{bert}"), "not a Llama-family"),
+        ("not a llama folder", ("--model", "{bert}"), "is not an architecture the evaluation runs"),
         ("no model folder", ("--model", "{missing}"), "no config.json"),
         ("haystack too short", ("--text", "{short}", "--tasks", "needle"), "fewer than"),
         ("missing text", ("--text", "{missing}/t.txt"), "no such file"),
