@@ -25,7 +25,7 @@ SGLang's transformers backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -46,6 +46,7 @@ class _Step:
     allowed: Tensor | None
     capture: list[Tensor] | None
     tier: TierContext | None
+    near: dict = field(default_factory=dict)  # window -> the context indices it can see
 
 
 _ACTIVE: list[tuple[PagedModel, _Step]] = []
@@ -123,21 +124,31 @@ class PagedModel:
         q = query[0]  # [heads, T, D]
         if step.capture is not None:
             step.capture.append(q.transpose(0, 1).clone())
-        group = self.num_heads // self.num_kv_heads
-        keys = k_buffer[step.context_slots].to(q.dtype).repeat_interleave(group, dim=1)
-        values = v_buffer[step.context_slots].to(q.dtype).repeat_interleave(group, dim=1)
-        scale = scaling if scaling is not None else self.head_dim**-0.5
-        visible = step.context_positions[None, :] <= step.positions[:, None]  # [T, N]
-        if step.allowed is not None:
-            visible = visible & step.allowed[None, :]
         window = self.windows[layer]
+        slots, context_positions = step.context_slots, step.context_positions
+        allowed = step.allowed
+        if window >= 0:  # only the keys a windowed layer can see (positions q - W .. q)
+            near = step.near.get(window)
+            if near is None:
+                near = step.near[window] = torch.nonzero(
+                    context_positions >= int(step.positions.min()) - window
+                ).flatten()
+            slots, context_positions = slots[near], context_positions[near]
+            allowed = None if allowed is None else allowed[near]
+        keys = k_buffer[slots].to(q.dtype)  # [N, kv_heads, D]
+        values = v_buffer[slots].to(q.dtype)
+        heads, tokens, dim = q.shape
+        grouped = q.view(self.num_kv_heads, heads // self.num_kv_heads, tokens, dim)
+        scale = scaling if scaling is not None else self.head_dim**-0.5
+        visible = context_positions[None, :] <= step.positions[:, None]  # [T, N]
+        if allowed is not None:
+            visible = visible & allowed[None, :]
         if window >= 0:
-            visible = visible & (
-                step.context_positions[None, :] >= step.positions[:, None] - window
-            )
-        scores = torch.einsum("htd,nhd->htn", q, keys) * scale
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        out = torch.einsum("htn,nhd->thd", torch.softmax(scores, dim=-1), values)
+            visible = visible & (context_positions[None, :] >= step.positions[:, None] - window)
+        scores = torch.einsum("kgtd,nkd->kgtn", grouped, keys).reshape(heads, tokens, -1)
+        scores = (scores * scale).masked_fill(~visible[None], float("-inf"))
+        weights = torch.softmax(scores, dim=-1).view(*grouped.shape[:3], -1)
+        out = torch.einsum("kgtn,nkd->tkgd", weights, values).reshape(tokens, heads, dim)
         if step.tier is not None and window < 0:
             out = merge_tier(q, scores, out, step.tier, layer, scale)
         return out[None]  # [1, T, heads, D], as transformers' attention functions
