@@ -65,7 +65,12 @@ def test_the_tier_on_a_windowed_model_needs_a_recent_window_covering_its_window(
     assert code == 2
     assert f"pass --kv-window {WINDOW_TOKENS} or more" in err.strip().splitlines()[-1]
     code, _, err = dry_run(capsys, folder, "--kv-window", str(WINDOW_TOKENS - 1))
-    assert code == 0, err  # eviction alone: windowed layers see what is kept in them
+    assert code == 0, err  # eviction alone: windowed layers see what is kept in them,
+    (warning,) = [line for line in err.splitlines() if "--kv-window" in line]
+    assert f"a sliding window of {WINDOW_TOKENS} tokens" in warning  # and it is said
+    assert f"--kv-window {WINDOW_TOKENS} keeps every windowed layer's window" in warning
+    code, _, err = dry_run(capsys, folder, "--kv-window", str(WINDOW_TOKENS))
+    assert code == 0 and "--kv-window" not in err, err
 
 
 def test_the_tier_refuses_attention_soft_capping_and_a_head_dim_its_kernels_lack(tmp_path, capsys):

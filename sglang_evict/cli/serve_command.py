@@ -123,7 +123,7 @@ def serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
         ) from None
     model = model_facts_from_server_args(server_args)
     check_startup(server_args, config, model)  # what every scheduler checks at startup
-    for line in model_warnings(model):
+    for line in model_warnings(model, config):
         print(f"sglang-evict serve: warning: {line}", file=sys.stderr)
     check_compactor_paths(config, getattr(server_args, "device", None), args.dry_run)
     command = [sys.executable, "-m", "sglang.launch_server", *sglang_argv, *backend_flags()]

@@ -121,7 +121,7 @@ def radix_cache_factory(ctx) -> EvictingRadixCache:
     facts = model_facts_of_context(ctx)
     check_startup(ctx.server_args, config, facts)
     if ctx.model_config is not None:
-        for line in model_warnings(facts):
+        for line in model_warnings(facts, config):
             logger.warning("%s", line)
     cache = EvictingRadixCache(ctx.params, config)
     cache.evictor.request_limits = request_limits(config, ctx.tp_size)

@@ -425,16 +425,39 @@ def model_windows(model: ModelFacts) -> tuple[int, ...]:
     return tuple(w for w in layer_windows(model.hf_text_config) if w >= 0)
 
 
-def model_warnings(model: ModelFacts) -> list[str]:
-    """What the plugin says about a model it runs without having validated it."""
+def model_warnings(model: ModelFacts, config: EvictionConfig | None = None) -> list[str]:
+    """What the plugin says about a model it runs without having validated it, and
+    about a recent window (``config``) narrower than the model's sliding windows."""
+    warnings = _window_warnings(model, config) if config is not None else []
     names = [a for a in model.architectures if a not in VALIDATED_ARCHITECTURES]
     if not names and model.architectures:
-        return []
+        return warnings
     shown = ", ".join(names) or f"no architectures in {model.path}/config.json"
     return [
         f"sglang-evict has not validated {shown} (its engine tests run "
         f"{', '.join(VALIDATED_ARCHITECTURES)}): check its answers with eviction against "
-        f"plain SGLang's before serving it (docs/serving.md, Supported models)"
+        f"plain SGLang's before serving it (docs/serving.md, Supported models)",
+        *warnings,
+    ]
+
+
+def _window_warnings(model: ModelFacts, config: EvictionConfig) -> list[str]:
+    """A recent window below the model's sliding window lets passes evict tokens its
+    windowed layers attend (without the tier: with it, ``_window_problems`` refuses)."""
+    from sglang_evict.srt.windows import layer_windows
+
+    if model.hf_text_config is None or config.tier_bits is not None:
+        return []
+    windows = [w for w in layer_windows(model.hf_text_config) if w >= 0]
+    if not windows or config.window_tokens >= max(windows):
+        return []
+    names = ", ".join(model.architectures) or model.path
+    return [
+        f"--kv-window {config.window_tokens} on {names}: {len(windows)} of its "
+        f"{len(layer_windows(model.hf_text_config))} layers attend a sliding window of "
+        f"{max(windows)} tokens, and passes may evict tokens inside it (on Gemma 3 270M "
+        f"that cost the most perplexity: docs/quality.md); --kv-window {max(windows)} "
+        f"keeps every windowed layer's window whole"
     ]
 
 
