@@ -444,17 +444,14 @@ def model_warnings(model: ModelFacts, config: EvictionConfig | None = None) -> l
 def _window_warnings(model: ModelFacts, config: EvictionConfig) -> list[str]:
     """A recent window below the model's sliding window lets passes evict tokens its
     windowed layers attend (without the tier: with it, ``_window_problems`` refuses)."""
-    from sglang_evict.srt.windows import layer_windows
-
-    if model.hf_text_config is None or config.tier_bits is not None:
-        return []
-    windows = [w for w in layer_windows(model.hf_text_config) if w >= 0]
-    if not windows or config.window_tokens >= max(windows):
+    windows = model_windows(model)
+    if config.tier_bits is not None or not windows or config.window_tokens >= max(windows):
         return []
     names = ", ".join(model.architectures) or model.path
+    layers = model.hf_text_config.num_hidden_layers
     return [
         f"--kv-window {config.window_tokens} on {names}: {len(windows)} of its "
-        f"{len(layer_windows(model.hf_text_config))} layers attend a sliding window of "
+        f"{layers} layers attend a sliding window of "
         f"{max(windows)} tokens, and passes may evict tokens inside it (on Gemma 3 270M "
         f"that cost the most perplexity: docs/quality.md); --kv-window {max(windows)} "
         f"keeps every windowed layer's window whole"
