@@ -121,7 +121,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         mem_fraction_static=args.mem_fraction,
         # The bench times decode steps; SGLang 0.5.17 captures prefill graphs for 58
         # token counts by default, over a minute per engine on an H200 (2026-11-28).
-        disable_prefill_cuda_graph=True,
+        # --prefill-graphs keeps them (scripts/gpu_check.sh stall: the tier engine's
+        # prefill capture stalled at 960 tokens that day).
+        disable_prefill_cuda_graph=not args.prefill_graphs,
     )
     if args.cuda_graph == "off":
         kwargs["disable_cuda_graph"] = True
@@ -355,6 +357,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tier-tokens", type=int, default=1024, help="+tier modes: bound")
     parser.add_argument("--cuda-graph", choices=["off", "default"], default="default")
     parser.add_argument("--no-overlap", action="store_true", help="overlap scheduler off")
+    parser.add_argument(
+        "--prefill-graphs",
+        action="store_true",
+        help="keep SGLang's prefill CUDA graphs (off by default: the bench times decode)",
+    )
     parser.add_argument("--attention-backend", default="triton")
     parser.add_argument("--mem-fraction", type=float, default=0.6)
     parser.add_argument(

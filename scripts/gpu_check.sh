@@ -8,6 +8,10 @@
 #   bash scripts/gpu_check.sh tier      # the tier inside CUDA-graph replays (test), then its decode step
 #                                       # against plain SGLang and eviction off (engine_eviction.py)
 #   bash scripts/gpu_check.sh capture   # the GPU-backend engine test alone (triton, flashinfer)
+#   bash scripts/gpu_check.sh stall     # the tier engine with SGLang's prefill CUDA graphs on (its
+#                                       # capture stalled at 960 tokens on 2026-11-28), every
+#                                       # thread's stack dumped each 30 s until its event loop
+#                                       # starts (SGLANG_EVICT_STALL_DUMP_S); STALL_TIMEOUT_S
 #   bash scripts/gpu_check.sh tests benches engine   # several parts, in order, one set-up
 #
 # Time limits per step (seconds): TESTS_TIMEOUT_S, ENGINE_TESTS_TIMEOUT_S (0 skips the
@@ -21,7 +25,7 @@
 #   .whl/: the project's runtime dependencies the image lacks, as cp312 wheels (docs/performance.md, "On a GPU")
 # Logs and result files go to $OUT (or /tmp/gpu_check). Each part is bounded by `timeout`.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: gpu_check.sh tests|kernels|benches|engine|tier|capture ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_check.sh tests|kernels|benches|engine|tier|capture|stall ..." >&2; exit 2; }
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 if [ -f .gpu_carry/env.sh ]; then
@@ -96,6 +100,20 @@ tier)
   fi
   cp "$logs/engine_tier.json" "$out/" 2>/dev/null
   tar -C "$logs" -czf "$out/engine_tier-logs.tar.gz" .
+  ;;
+stall)
+  # One tier engine, prefill graphs on, one short repeat; its log (with the stack dumps)
+  # comes back whether it starts or the limit cuts it.
+  model=${MODEL:-/tmp/llama_rand}
+  if [ ! -f "$model/config.json" ]; then
+    python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-} || exit 1
+  fi
+  logs=$(mktemp -d)
+  SGLANG_EVICT_STALL_DUMP_S=${SGLANG_EVICT_STALL_DUMP_S:-30} \
+    timeout "${STALL_TIMEOUT_S:-240}" python3 benches/engine_eviction.py --model "$model" \
+    --out "$logs/engine_stall.json" --modes on+tier --repeats 1 --prefill-graphs \
+    2>&1 | tee "$out/engine_stall.txt"
+  tar -C "$logs" -czf "$out/engine_stall-logs.tar.gz" .
   ;;
 tests)
   # The kernels on CUDA tensors (compiled, programs in parallel), the pass under

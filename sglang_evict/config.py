@@ -80,6 +80,10 @@ class EvictionConfig:
         page_size: the engine's KV page size in tokens (taken from the engine).
         query_window_tokens: how many of a request's latest queries (per layer) are kept
             for scorers that read queries (``window``, ``rkv``).
+        query_slots: requests whose queries the ring keeps at once (``--kv-query-slots``;
+            None: enough for every request bounded admission lets run that a pass may
+            read, ``query_capture.default_slots``); at most one per request row. A
+            request finding no free slot waits in the queue.
         compactor: ``inprocess`` (the embedded default) or ``grpc`` (the sidecar at
             ``compactor_socket``; ``--kv-compactor``).
         compactor_socket: the sidecar's Unix socket (``--kv-compactor-socket``; default
@@ -161,6 +165,7 @@ class EvictionConfig:
     compaction: str = "hole_fill"
     page_size: int = 1
     query_window_tokens: int = 32
+    query_slots: int | None = None
     compactor: str = "inprocess"
     compactor_socket: str = DEFAULT_SOCKET
     compactor_address: str | None = None
@@ -197,6 +202,8 @@ class EvictionConfig:
         _require_int("window_tokens", self.window_tokens, 0)
         _require_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
         _require_int("query_window_tokens", self.query_window_tokens, 1, MAX_QUERY_WINDOW_TOKENS)
+        if self.query_slots is not None:
+            _require_int("query_slots", self.query_slots, 1)
         always_kept = self.sink_tokens + self.protected_tokens + self.window_tokens
         _require_int("kv_budget_tokens", self.kv_budget_tokens, 1)
         if self.kv_budget_tokens <= always_kept:

@@ -12,5 +12,7 @@ from __future__ import annotations
 def register() -> None:
     # Importing sglang_evict.srt checks the SGLang version before any internal is touched.
     from sglang_evict.srt import install
+    from sglang_evict.srt.process_start import fork_if_asked
 
+    fork_if_asked()
     install()

@@ -13,6 +13,8 @@ import os
 import pytest
 import torch
 
+from sglang_evict.srt.process_start import FORK_ENV
+
 # Tests never reach the network (CI has none): model weights are built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -24,6 +26,11 @@ os.environ.setdefault("SGLANG_CHECK_KV_PAGE_INVARIANTS", "1")
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# SGLang's scheduler and detokenizer forked instead of spawned (``srt.process_start``):
+# about half the CPU of an engine's start, which was a third of the suite's
+# (docs/development.md, "Engine start").
+os.environ.setdefault(FORK_ENV, "1")
 
 
 @pytest.fixture(autouse=True)
@@ -141,11 +148,13 @@ SGLANG_FACING = {
     "test_plugin.py",
     "test_query_capture.py",
     "test_query_scoring_passes.py",
+    "test_query_slots.py",
     "test_reference_loop.py",
     "test_request_policy.py",
     "test_request_policy_sglang.py",
     "test_sglang_mechanism.py",
     "test_tensor_parallel.py",
+    "test_watchdog.py",
 }
 
 

@@ -32,9 +32,9 @@ from sglang_evict.srt.engine_runner import (
 )
 
 # Idle engines sleep on their sockets (``sleep_on_idle``): one costs memory (about
-# 3.7 GB over its three processes, measured 2026-11-28), not CPU, so the few every file
-# shares stay up.
-MAX_LIVE_ENGINES = 4
+# 1.3 GB of proportional set size over its three processes, its scheduler and
+# detokenizer forked: measured 2026-12-02), not CPU, so the few every file shares stay up.
+MAX_LIVE_ENGINES = 6
 # Before an engine starts, this worker's idle engines (oldest first) are shut until the
 # machine has this much memory available (an engine and a margin): both xdist workers
 # hold engines, and the demo's, the benches' and the router's start beside them.

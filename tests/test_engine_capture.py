@@ -48,17 +48,17 @@ def capture_spec(page_size: int, policy: dict) -> EngineSpec:
 
 
 WINDOW_LAST = capture_policy("window", mode="last")
+# One query slot (--kv-query-slots 1): the prompts, each needing one, take turns.
+ONE_SLOT = {
+    **capture_policy("window", mode="cumulative", head_normalization="none"),
+    "query_slots": 1,
+}
 # (page size, the server's policy, the scorer the requests choose: None, the server's).
 # ``rkv`` is chosen per request on the window engine (a server capturing queries serves
 # every query-reading scorer).
 CASES = [
     pytest.param(1, WINDOW_LAST, None, id="page1-window-last"),
-    pytest.param(
-        1,
-        capture_policy("window", mode="cumulative", head_normalization="none"),
-        None,
-        id="page1-window-cumulative",
-    ),
+    pytest.param(1, ONE_SLOT, None, id="page1-window-cumulative-one-slot"),
     pytest.param(1, WINDOW_LAST, "rkv", id="page1-rkv-per-request"),
     pytest.param(
         4, capture_policy("window", compaction="repack"), None, id="page4-window-sum-repack"
@@ -77,14 +77,21 @@ def test_query_ring_costs_the_formula_and_the_kv_pool_shrinks_by_it(engines, eng
     layers, q_heads = config["num_hidden_layers"], config["num_attention_heads"]
     kv_heads = config["num_key_value_heads"]
     head_dim = config["hidden_size"] // q_heads
-    rows = MAX_RUNNING_REQUESTS + 2  # SGLang's padding row, the ring's scratch row
-    ring_bytes = rows * QUERY_WINDOW * (layers * q_heads * head_dim * 4 + 8)  # float32
-    kv_bytes_per_token = kv_heads * 2 * head_dim * layers * 4
-
     plain = engines.get(EngineSpec.plain(1)).server_info()
     engine = engines.get(capture_spec(1, WINDOW_LAST))
     info = engine.server_info()
     report = engine.plugin_state()["query_capture"]
+    # Slots: what bounded admission lets run of requests over the budget, at most one
+    # per request row (SGLang's padding row included).
+    slots = min(
+        MAX_RUNNING_REQUESTS + 1,
+        plain["max_total_num_tokens"] // (WINDOW_LAST["kv_budget_tokens"] + 1),
+    )
+    assert report["num_slots"] == slots
+    # The slots and the scratch slot; an int64 slot for each row and the scratch row.
+    ring_bytes = (slots + 1) * QUERY_WINDOW * (layers * q_heads * head_dim * 4 + 8)  # float32
+    ring_bytes += (MAX_RUNNING_REQUESTS + 2) * 8
+    kv_bytes_per_token = kv_heads * 2 * head_dim * layers * 4
     assert report["ring_bytes"] == report["allocated_bytes"] == ring_bytes
     assert report["kv_bytes_per_token"] == kv_bytes_per_token
     reserved = math.ceil(ring_bytes / kv_bytes_per_token)  # page size 1
@@ -124,6 +131,7 @@ def test_engine_outputs_equal_the_cpu_reference_loop_with_query_scorers(
     engine = engines.get(capture_spec(page_size, policy))
     assert engine.flush_cache()  # nothing cached from earlier tests: the same prefills
     custom = None if request_scorer is None else {"sglang_evict": {"scorer": request_scorer}}
+    waits = engine.plugin_state()["query_slot_waits"]
     mark = engine.mark()
     extra = {} if custom is None else {"custom_params": custom}
     outputs = engine.generate(prompts, greedy(NEW_TOKENS, **extra))
@@ -139,6 +147,12 @@ def test_engine_outputs_equal_the_cpu_reference_loop_with_query_scorers(
     assert_same_tokens([out["output_ids"] for out in outputs], expected)
     passes = [r for record in engine.pass_records(mark) for r in record["requests"]]
     assert len(passes) == len(result.passes)
+    # Every request a pass read held a slot, and gave it back.
+    state = engine.plugin_state()
+    ring = state["query_capture"]
+    assert ring["slot_misses"] == 0 and ring["free_slots"] == ring["num_slots"]
+    if policy.get("query_slots") == 1:  # the prompts took turns for the one slot
+        assert state["query_slot_waits"] > waits
     engines.report(
         f"capture page {page_size} {policy['scorer']}/{request_scorer or policy['scorer']}",
         "passes (engine = reference), tokens evicted",

@@ -27,7 +27,7 @@ POLICY = dict(kv_budget_tokens=48, cadence_tokens=16, window_tokens=16, sink_tok
 
 
 def real_spec(real_model, **policy) -> EngineSpec:
-    # Few request rows: rkv's query ring holds one per row (capture memory).
+    # Few request rows: rkv's query ring holds at most one slot per row (capture memory).
     return EngineSpec.plugin(
         PAGE,
         max_total_tokens=2048,

@@ -53,6 +53,9 @@ def test_the_gpu_benchs_engines_would_start(tmp_path):
     modes = "plain,off,on:1+graph,on:auto+graph,on+tier"
     argv = ["--model", model, "--modes", modes, "--paired", "--preflight"]
     assert bench.main([*argv, "--out", str(tmp_path / "x.json")]) == 0
+    # ``stall``'s: the tier engine with SGLang's prefill graphs kept.
+    stall = ["--model", model, "--modes", "on+tier", "--prefill-graphs", "--preflight"]
+    assert bench.main([*stall, "--out", str(tmp_path / "y.json")]) == 0
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written
 
 

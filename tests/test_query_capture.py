@@ -48,8 +48,12 @@ def queries_at(positions, layers=LAYERS, seed=0) -> torch.Tensor:
 def test_ring_memory_equals_the_documented_formula(dtype, window, rows):
     ring = ring_of(window, rows, dtype)
     element = torch.empty((), dtype=dtype).element_size()
-    formula = (rows + 1) * window * (LAYERS * Q_HEADS * HEAD_DIM * element + 8)
+    # One slot per row + the scratch slot; an int64 slot per row + the scratch row.
+    formula = (rows + 1) * window * (LAYERS * Q_HEADS * HEAD_DIM * element + 8) + (rows + 1) * 8
     assert ring.nbytes == ring.shape.total_bytes == formula
+    shared = QueryRing(RingShape(LAYERS, rows, window, Q_HEADS, HEAD_DIM, dtype, num_slots=2))
+    slots_formula = 3 * window * (LAYERS * Q_HEADS * HEAD_DIM * element + 8) + (rows + 1) * 8
+    assert shared.nbytes == shared.shape.total_bytes == slots_formula
     # In KV tokens of 512 bytes, whole pages of 4: ceil(formula / 2048) pages.
     assert kv_tokens_for(formula, 512, 4) == 4 * math.ceil(formula / 2048)
 
@@ -224,7 +228,9 @@ def test_a_backend_applying_rope_itself_is_refused(hooked_forward):
 
 
 def test_capture_plan_shrinks_the_pool_by_the_ring_in_whole_pages_or_refuses():
-    config = SimpleNamespace(query_window_tokens=32, scorer="rkv")
+    config = SimpleNamespace(
+        query_window_tokens=32, scorer="rkv", query_slots=None, kv_budget_tokens=64
+    )
     model = SimpleNamespace(
         get_num_kv_heads=lambda tp: 8 // tp,
         get_num_attention_heads=lambda tp: 32 // tp,
@@ -240,13 +246,25 @@ def test_capture_plan_shrinks_the_pool_by_the_ring_in_whole_pages_or_refuses():
         page_size=16,
     )
     plan = capture.plan_capture(config, pool_tokens=100_000, num_request_rows=65, **kwargs)
-    # Per row: 32 queries x 32 layers x 16 heads x 128 x 2 bytes (+ 8 per cell); a KV
-    # token: 4 heads x 256 x 32 layers x 2 bytes. 64 tokens a row + the positions.
-    assert plan.ring_bytes == 66 * 32 * (32 * 16 * 128 * 2 + 8)
+    # Per slot: 32 queries x 32 layers x 16 heads x 128 x 2 bytes (+ 8 per cell); a KV
+    # token: 4 heads x 256 x 32 layers x 2 bytes. 64 tokens a slot + the positions. The
+    # budget lets 100_000 // 65 requests run: the 65 rows cap the slots.
+    assert plan.shape.slots == 65
+    assert plan.ring_bytes == 66 * 32 * (32 * 16 * 128 * 2 + 8) + 66 * 8
     assert plan.kv_bytes_per_token == 4 * 256 * 32 * 2
     assert plan.reserved_tokens == 16 * math.ceil(plan.ring_bytes / (65536 * 16))
     assert plan.pool_tokens_after == 100_000 - plan.reserved_tokens
-    with pytest.raises(ValueError, match="lower --max-running-requests or --kv-query-window"):
+    # At a 4,096-token budget at most 100_000 // 4097 = 24 requests a pass may read run
+    # at once: 24 slots (the rows no longer bound them).
+    config.kv_budget_tokens = 4096
+    plan = capture.plan_capture(config, pool_tokens=100_000, num_request_rows=65, **kwargs)
+    assert plan.shape.slots == 100_000 // 4097 == 24
+    assert plan.ring_bytes == 25 * 32 * (32 * 16 * 128 * 2 + 8) + 66 * 8
+    config.query_slots = 3  # --kv-query-slots
+    fixed = capture.plan_capture(config, pool_tokens=100_000, num_request_rows=65, **kwargs)
+    assert fixed.shape.slots == 3
+    config.query_slots, config.kv_budget_tokens = 65, 64
+    with pytest.raises(ValueError, match="lower --kv-query-slots or --kv-query-window"):
         capture.plan_capture(config, pool_tokens=4096, num_request_rows=65, **kwargs)
 
 

@@ -211,7 +211,8 @@ def test_the_idle_check_names_a_tier_that_holds_groups_or_breaks_an_invariant():
     arena = arena_with_rows()
     assert tier_problem(None) is None and tier_problem(arena) is None
     arena.take("a", 1, row=2)
-    assert "holds groups of ['a'] while the scheduler is idle" in tier_problem(arena)
+    problem = tier_problem(arena)
+    assert "groups of ['a'] held by the tier's arena while the scheduler is idle" in problem
     arena.row_counts[2] = 0
     assert "breaks an invariant while idle: row 2 lists 0" in tier_problem(arena)
 

@@ -51,6 +51,24 @@ def int_flag(low: int, high: int = MAX_INT_FLAG):
     return parse
 
 
+def float_flag(low: float, high: float):
+    """An argparse ``type``: a finite number in ``[low, high]``, else argparse's one-line
+    error naming the flag and the range."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+        if not low <= value <= high:  # also refuses nan
+            raise argparse.ArgumentTypeError(
+                f"{text:.40} is out of range; allowed: [{low:g}, {high:g}]"
+            )
+        return value
+
+    return parse
+
+
 def group_steps_flag(text: str) -> int | str:
     """``--kv-pass-group-steps``: ``auto`` or an integer in ``[1, MAX_PASS_GROUP_STEPS]``."""
     if text.strip().lower() == AUTO:
@@ -165,6 +183,14 @@ def add_policy_flags(parser: argparse.ArgumentParser, default_budget: int | None
         default=EvictionConfig.__dataclass_fields__["query_window_tokens"].default,
         help="window/rkv: each request's latest queries captured inside the attention "
         "(memory: see docs/serving.md, Scorers)",
+    )
+    parser.add_argument(
+        "--kv-query-slots",
+        type=int_flag(1),
+        default=None,
+        help="window/rkv: requests whose queries are kept at once (default: as many as "
+        "bounded admission lets run that a pass may read, KV pool // (--kv-budget + 1)); "
+        "a request finding none free waits",
     )
     parser.add_argument(
         "--kv-evict-prompt",
@@ -352,6 +378,7 @@ def config_from_args(args: argparse.Namespace) -> EvictionConfig:
         compaction=args.kv_compaction,
         page_size=args.page_size,
         query_window_tokens=args.kv_query_window,
+        query_slots=args.kv_query_slots,
         evict_prompt=args.kv_evict_prompt,
         **tier_fields(args),
         **compactor_fields(args),

@@ -38,6 +38,7 @@ from sglang_evict.cli.flags import (
     add_policy_flags,
     add_request_limit_flags,
     config_from_args,
+    float_flag,
     int_flag,
     refuse_tier_in_engine,
 )
@@ -383,6 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--dry-run", action="store_true", help="validate, print the command, start nothing"
+    )
+    serve.add_argument(
+        "--gpu-memory-gib",
+        type=float_flag(1.0, 4096.0),
+        default=None,
+        metavar="GIB",
+        help="with --dry-run: size SGLang's defaults, its KV pool and the query ring for a "
+        "GPU of this many GiB (e.g. 80), where this machine has none",
     )
     serve.set_defaults(handler=serve_command.serve, passes_through=True)
 

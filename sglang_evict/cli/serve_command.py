@@ -88,6 +88,26 @@ def tier_bytes_line(config, model) -> str | None:
     )
 
 
+def query_ring_line(config, server_args, gpu_memory_mib: float | None) -> str | None:
+    """The dry run's line on the query ring (None: the scorer reads no queries and no
+    GPU size was asked for): sized against SGLang's KV pool on a GPU of
+    ``gpu_memory_mib`` (``sglang_evict.srt.pool_estimate``), or per slot without one."""
+    from sglang_evict.scorers import SCORERS
+
+    if not SCORERS[config.scorer].needs_queries:
+        if gpu_memory_mib is None:
+            return None
+        return f"# no query ring: --kv-scorer {config.scorer} reads no queries"
+    from sglang_evict.srt.pool_estimate import ring_line
+
+    if gpu_memory_mib is None:
+        return (
+            "# query ring: its slots follow the KV pool (KV pool // (--kv-budget + 1)); "
+            "add --gpu-memory-gib GIB to size it against SGLang's pool on such a GPU"
+        )
+    return ring_line(config, server_args, gpu_memory_mib)
+
+
 def serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
     """``sglang-evict serve``: the plugin's start-up checks, then SGLang's own server in
     this process's place (``--dry-run``: the environment and command instead)."""
@@ -115,8 +135,17 @@ def serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
     )
 
     check_model_config(sglang_argv)
+    gpu_memory_gib = getattr(args, "gpu_memory_gib", None)
+    if gpu_memory_gib is not None and not args.dry_run:
+        raise ValueError(
+            "--gpu-memory-gib sizes a dry run for a GPU this machine may not have; a real "
+            "start measures its own: add --dry-run or drop --gpu-memory-gib"
+        )
+    gpu_memory_mib = None if gpu_memory_gib is None else gpu_memory_gib * 1024
     try:
-        server_args = parse_server_args(sglang_argv, dry_run=args.dry_run)
+        server_args = parse_server_args(
+            sglang_argv, dry_run=args.dry_run, gpu_memory_mib=gpu_memory_mib
+        )
     except OSError as error:  # SGLang reading the model's config (e.g. given via --config)
         raise ValueError(
             f"SGLang cannot read the model's configuration: {first_line(error)}"
@@ -148,6 +177,9 @@ def serve(args: argparse.Namespace, sglang_argv: list[str]) -> int:
         bytes_line = tier_bytes_line(config, model)
         if bytes_line:
             print(bytes_line)
+        ring = query_ring_line(config, server_args, gpu_memory_mib)
+        if ring:
+            print(ring)
         if redis_line:
             print(redis_line)
         for key, value in cpu_env.items():

@@ -372,6 +372,8 @@ class EvictionManager:
             self.offsets_by_row[state.req_pool_idx] = 0
         if self.tier_arena is not None:
             self.tier_arena.release(rid)
+        if self.query_ring is not None:
+            self.query_ring.release(rid)
         self.failures.forget(rid)
 
     def record_queries(self, req_pool_idx: int, queries: Tensor, positions: Tensor) -> None:

@@ -48,6 +48,14 @@ what differs between the two is in ``versioned``, nowhere else. Everything else 
                     its own, its log read (tests, demo)
     preflight       whether an engine would start, checked    ServerArgs, ModelConfig,
                     without starting it (GPU checks on CPU)   the pool hooks above
+    watchdog        stack dumps while a scheduler starts      ModelRunner, Scheduler
+                    (``SGLANG_EVICT_STALL_DUMP_S``)           (run_event_loop)
+    pool_estimate   SGLang's KV and request pools on a GPU    ServerArgs (memory
+                    of a given size, the query ring's share   defaults), ModelConfig
+                    of them (``serve --dry-run``)
+    process_start   SGLang's scheduler and detokenizer        multiprocessing's start
+                    forked instead of spawned, where asked    method as SGLang sets it
+                    and safe (``SGLANG_EVICT_ENGINE_FORK``)   (Engine, launch_server)
 
 A new surface gets its own module here.
 """
@@ -143,6 +151,8 @@ def install() -> None:
     from sglang_evict.srt.server_args import BACKEND_NAME
     from sglang_evict.srt.tier import _after_alloc_memory_pool as _after_alloc_tier
     from sglang_evict.srt.tier import _after_attention_forward
+    from sglang_evict.srt.watchdog import HOOK_RUN_EVENT_LOOP, _before_run_event_loop
+    from sglang_evict.srt.watchdog import _after_alloc_memory_pool as _after_alloc_watchdog
     from sglang_evict.srt.windows import HOOK_TORCH_NATIVE_DECODE, _after_forward_decode
 
     if BACKEND_NAME in registered_radix_cache_backends():
@@ -158,6 +168,8 @@ def install() -> None:
         HookRegistry.register(HOOK_RESOLVE_POOL, hook, HookType.AFTER)
     HookRegistry.register(HOOK_ALLOC_POOL, _after_alloc_memory_pool, HookType.AFTER)
     HookRegistry.register(HOOK_ALLOC_POOL, _after_alloc_tier, HookType.AFTER)
+    HookRegistry.register(HOOK_ALLOC_POOL, _after_alloc_watchdog, HookType.AFTER)
+    HookRegistry.register(HOOK_RUN_EVENT_LOOP, _before_run_event_loop, HookType.BEFORE)
     HookRegistry.register(HOOK_ATTENTION_FORWARD, _before_attention_forward, HookType.BEFORE)
     HookRegistry.register(HOOK_ATTENTION_FORWARD, _after_attention_forward, HookType.AFTER)
     HookRegistry.register(HOOK_TORCH_NATIVE_DECODE, _after_forward_decode, HookType.AFTER)

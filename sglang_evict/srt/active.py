@@ -28,6 +28,7 @@ class PassTotals:
     pressure_steps: int = 0  # decode steps that could not allocate with passes to run
     pressure_steps_relieved: int = 0  # of those: the step fitted after them, no retraction
     tier_admission_waits: int = 0  # admissions refused: the tier's arena was promised out
+    query_slot_waits: int = 0  # admissions refused: every query slot was held
 
     def add(self, results, *, pressure: bool = False) -> None:
         for result in results:

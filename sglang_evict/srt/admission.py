@@ -27,6 +27,14 @@ Under the quantized tier a request's bound includes its tier: ``add_one_req`` an
 cannot hold the groups the request may demote beside those its running and admitted
 requests may hold (``sglang_evict.admission.tier_admits``).
 
+With a query-reading scorer a request a pass may read the queries of needs one of the
+query ring's slots (``sglang_evict.srt.capture.needs_query_slot``): ``add_one_req``
+answers ``NO_TOKEN`` when none is free, and reserves one for the request it admits
+(whole or as a first chunk), whatever ``--kv-admission`` says. Under bounded admission
+the default slot count (``query_capture.default_slots``) covers every such request the
+pool lets run, so only requests asking a budget below the server's, or
+``--kv-query-slots`` below the default, can wait for one.
+
 A request that does not evict (its policy turns eviction off, or plain SGLang) keeps
 SGLang's arithmetic. No copy of the scheduler: the figures SGLang computes are
 replaced, the decisions stay SGLang's.
@@ -59,6 +67,7 @@ from sglang_evict.admission import (
 )
 from sglang_evict.srt.active import Active
 from sglang_evict.srt.backend import EvictingRadixCache
+from sglang_evict.srt.capture import needs_query_slot
 from sglang_evict.srt.hooks import due_request, passable, run_passes, supported_allocation
 from sglang_evict.srt.request_policy import policy_of
 from sglang_evict.srt.versioned import add_to_admission_offset, matched_prefix_len, req_kv
@@ -139,7 +148,31 @@ def _tier_waits(manager, adder, req) -> bool:
     return not tier_admits(reserved_groups=reserved, request_groups=need, arena_groups=arena_groups)
 
 
+def _slot_ring(tree_cache, req):
+    """The query ring when ``req`` needs one of its shared slots and holds none yet."""
+    if not isinstance(tree_cache, EvictingRadixCache) or tree_cache.disable:
+        return None
+    manager = tree_cache.evictor
+    ring = getattr(manager, "query_ring", None)
+    if ring is None or ring.shape.dedicated or ring.holds(req.rid):
+        return None
+    return ring if needs_query_slot(manager, req) else None
+
+
 def _around_add_one_req(original, adder, req, *args, **kwargs):
+    ring = _slot_ring(adder.tree_cache, req)
+    if ring is not None and ring.free_slots == 0:
+        Active.totals.query_slot_waits += 1
+        return schedule_policy.AddReqResult.NO_TOKEN
+    result = _add_one_req(original, adder, req, *args, **kwargs)
+    if ring is not None and (
+        adder.new_chunked_req is req or any(r is req for r in adder.can_run_list)
+    ):
+        ring.reserve(req.rid)
+    return result
+
+
+def _add_one_req(original, adder, req, *args, **kwargs):
     manager = _bounded_manager(adder.tree_cache)
     growth = None
     if manager is not None and _tier_waits(manager, adder, req):

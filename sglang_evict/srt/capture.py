@@ -22,10 +22,14 @@ When the ring is made (the order matters: the decode CUDA graphs must hold its w
       attention backends, CUDA graph capture           graphs record the ring's copies
     radix_cache_factory                                the manager takes the ring
 
-Rows: the ``ForwardBatch`` of an extend batch, built on the forward stream after every
-earlier forward, first resets the rows SGLang handed to new requests
-(``claim_query_rows``): no query of a row's previous request is ever read as the new
-one's.
+Slots (``query_capture``, shared): the ring holds ``default_slots`` requests (or
+``--kv-query-slots``), not one per request-pool row: only a request a pass may read the
+queries of holds one (``needs_query_slot``). Admission reserves it
+(``sglang_evict.srt.admission``: a request finding none free waits), the ``ForwardBatch``
+of an extend batch, built on the forward stream after every earlier forward, points the
+rows SGLang handed to new requests at their slots and empties those slots
+(``claim_query_rows``: no query of a slot's previous request is ever read as the new
+one's), and the request's release gives it back (``EvictionManager.forget``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_evict.config import EvictionConfig
-from sglang_evict.query_capture import QueryRing, RingShape, pool_after_reserving
+from sglang_evict.query_capture import QueryRing, RingShape, default_slots, pool_after_reserving
+from sglang_evict.scorers import SCORERS
+from sglang_evict.srt.request_policy import policy_of
 from sglang_evict.srt.versioned import attention_tp_size, req_kv
 
 logger = logging.getLogger(__name__)
@@ -75,11 +81,17 @@ class CapturePlan:
         s = self.shape
         return (
             f"query capture: W={s.window} queries x {s.num_layers} layers x {s.num_q_heads} "
-            f"q heads x head_dim {s.head_dim} x {s.dtype} per request row, "
-            f"{s.num_rows} rows = {self.ring_bytes} bytes ({self.ring_bytes / 2**20:.2f} MiB), "
+            f"q heads x head_dim {s.head_dim} x {s.dtype} per slot, {s.slots} slots for "
+            f"{s.num_request_rows} request rows = {self.ring_bytes} bytes "
+            f"({self.ring_bytes / 2**20:.2f} MiB, {self.pool_share:.1%} of the KV pool), "
             f"counted as {self.reserved_tokens} KV tokens of {self.kv_bytes_per_token} bytes: "
             f"KV pool {self.pool_tokens_before} -> {self.pool_tokens_after} tokens"
         )
+
+    @property
+    def pool_share(self) -> float:
+        """The ring's bytes over the KV pool's before it (what the ring takes)."""
+        return self.ring_bytes / max(self.pool_tokens_before * self.kv_bytes_per_token, 1)
 
 
 @dataclass
@@ -134,9 +146,15 @@ def plan_capture(
     model_dtype: torch.dtype,
     page_size: int,
 ) -> CapturePlan:
-    """The ring for this model and request pool, and the KV pool left beside it.
+    """The ring for this model and request pool, and the KV pool left beside it: its
+    slots ``--kv-query-slots`` or ``default_slots`` of the pool (at most one per row).
     Raises ``ValueError`` naming the flags when the ring leaves no pool."""
     kv_bytes_per_token = kv_bytes_per_token_of(model_config, tp_size, num_layers, kv_cache_dtype)
+    slots = config.query_slots or default_slots(
+        pool_tokens=pool_tokens,
+        budget_tokens=config.kv_budget_tokens,
+        num_request_rows=num_request_rows,
+    )
     shape = RingShape(
         num_layers=num_layers,
         num_request_rows=num_request_rows,
@@ -144,16 +162,17 @@ def plan_capture(
         num_q_heads=model_config.get_num_attention_heads(tp_size),
         head_dim=model_config.head_dim,
         dtype=model_dtype,
+        num_slots=min(slots, num_request_rows),
     )
     reserved, after = pool_after_reserving(
         pool_tokens, shape.total_bytes, kv_bytes_per_token, page_size
     )
     if after < page_size:
         raise ValueError(
-            f"--kv-scorer {config.scorer} keeps the last {shape.window} queries of each of "
-            f"{num_request_rows} request rows: {shape.total_bytes / 2**20:.1f} MiB, "
+            f"--kv-scorer {config.scorer} keeps the last {shape.window} queries of "
+            f"{shape.slots} requests: {shape.total_bytes / 2**20:.1f} MiB, "
             f"{reserved} KV tokens, but the KV pool holds {pool_tokens}; lower "
-            f"--max-running-requests or --kv-query-window, raise --mem-fraction-static or "
+            f"--kv-query-slots or --kv-query-window, raise --mem-fraction-static or "
             f"--max-total-tokens, or use a scorer that reads no queries"
         )
     return CapturePlan(shape, kv_bytes_per_token, page_size, pool_tokens, after)
@@ -259,21 +278,34 @@ def capture_layer_queries(ring: QueryRing, q, layer, forward_batch, kwargs: dict
         )
 
 
-def claim_query_rows(ring: QueryRing, req_to_token_pool, reqs) -> None:
-    """Reset the ring rows SGLang handed to new requests since their last reset (the
-    request pool counts each hand-out in ``req_generation``)."""
+def needs_query_slot(manager, req) -> bool:
+    """Whether a pass may read ``req``'s queries: it evicts, with a scorer that reads
+    queries, and its prompt plus ``max_new_tokens`` exceed its budget (a request that
+    never holds more than its budget is never passed)."""
+    policy = policy_of(req) or manager.default_policy
+    if not policy.enabled or not SCORERS[policy.scorer].needs_queries:
+        return False
+    total = len(req.origin_input_ids) + req.sampling_params.max_new_tokens
+    return total > policy.kv_budget_tokens
+
+
+def claim_query_rows(ring: QueryRing, req_to_token_pool, reqs, manager=None) -> None:
+    """Point the rows SGLang handed to new requests since their last claim (the request
+    pool counts each hand-out in ``req_generation``) at their slots, emptied: the
+    reserved one of each request ``needs_query_slot`` (all, without a ``manager``)."""
     rows = [req_kv(req).req_pool_idx for req in reqs]
     generations = [int(req_to_token_pool.req_generation[row]) for row in rows]
-    ring.claim_rows(rows, generations)
+    needs = [manager is None or needs_query_slot(manager, req) for req in reqs]
+    ring.claim_rows(rows, generations, [req.rid for req in reqs], needs)
 
 
-def on_forward_batch(forward_batch, batch, model_runner) -> None:
+def on_forward_batch(forward_batch, batch, model_runner, manager=None) -> None:
     """``ForwardBatch.init_new`` of an extend batch (on the forward stream): claim the
     rows of its requests before the forward writes them."""
     ring = STATE.ring
     if ring is None or batch is None or not forward_batch.forward_mode.is_extend():
         return
-    claim_query_rows(ring, model_runner.req_to_token_pool, batch.reqs)
+    claim_query_rows(ring, model_runner.req_to_token_pool, batch.reqs, manager)
 
 
 def attach(manager, model_runner) -> None:
@@ -314,8 +346,12 @@ def report() -> dict | None:
         "head_dim": shape.head_dim,
         "dtype": str(shape.dtype).removeprefix("torch."),
         "num_rows": shape.num_rows,
+        "num_slots": shape.slots,
+        "pool_share": plan.pool_share,
         "ring_bytes": plan.ring_bytes,
         "allocated_bytes": 0 if STATE.ring is None else STATE.ring.nbytes,
+        "free_slots": None if STATE.ring is None else STATE.ring.free_slots,
+        "slot_misses": None if STATE.ring is None else STATE.ring.slot_misses,
         "kv_bytes_per_token": plan.kv_bytes_per_token,
         "reserved_kv_tokens": plan.reserved_tokens,
         "pool_tokens_before": plan.pool_tokens_before,

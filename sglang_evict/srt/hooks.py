@@ -236,5 +236,5 @@ def _after_forward_batch_init_new(forward_batch, *args, **kwargs):
         # init_new(cls, batch, model_runner, ...): the extend batch's new rows are reset.
         batch = args[1] if len(args) > 1 else kwargs.get("batch")
         model_runner = args[2] if len(args) > 2 else kwargs.get("model_runner")
-        on_forward_batch(forward_batch, batch, model_runner)
+        on_forward_batch(forward_batch, batch, model_runner, manager)
     return forward_batch

@@ -218,7 +218,7 @@ def _after_on_idle(result, scheduler, *args, **kwargs):
             raise ValueError(message)
         logger.warning(message)
     else:
-        problem = tier_problem(manager.tier_arena)
+        problem = tier_problem(manager.tier_arena) or ring_problem(manager.query_ring)
         if problem:
             from sglang.srt.environ import envs
 
@@ -230,18 +230,31 @@ def _after_on_idle(result, scheduler, *args, **kwargs):
     return result
 
 
-def tier_problem(arena) -> str | None:
-    """What is wrong with the tier's arena at an idle point (its invariants broken, or
-    groups held with no request running); None when nothing is (or there is no tier)."""
-    if arena is None:
-        return None
+def idle_problem(what: str, check, holders, held_as: str) -> str | None:
+    """What is wrong with a per-request store at an idle point: ``check()`` raising
+    ``AssertionError`` (an invariant broken), or ``holders`` (requests still holding
+    ``held_as`` with no request running); None when nothing is."""
     try:
-        arena.check()
+        check()
     except AssertionError as error:
-        return f"sglang-evict: the tier's arena breaks an invariant while idle: {error}"
-    if arena.owned:
+        return f"sglang-evict: {what} breaks an invariant while idle: {error}"
+    if holders:
         return (
-            f"sglang-evict: the tier holds groups of {sorted(arena.owned)[:8]} while the "
+            f"sglang-evict: {held_as} of {sorted(holders)[:8]} held by {what} while the "
             f"scheduler is idle: a finish, abort or retraction path did not release them"
         )
     return None
+
+
+def ring_problem(ring) -> str | None:
+    """The query ring's idle problem (``idle_problem``; None without a ring)."""
+    if ring is None:
+        return None
+    return idle_problem("the query ring", ring.check_invariants, ring.slot_holders(), "slots")
+
+
+def tier_problem(arena) -> str | None:
+    """The tier's arena's idle problem (``idle_problem``; None without a tier)."""
+    if arena is None:
+        return None
+    return idle_problem("the tier's arena", arena.check, arena.owned, "groups")

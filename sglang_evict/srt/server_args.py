@@ -16,6 +16,7 @@ without the network.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -580,12 +581,17 @@ def no_accelerator() -> bool:
     return False
 
 
-def parse_server_args(argv: list[str], *, dry_run: bool = False):
+def parse_server_args(
+    argv: list[str], *, dry_run: bool = False, gpu_memory_mib: float | None = None
+):
     """SGLang's own parsing of ``sglang.launch_server`` arguments into ``ServerArgs``,
     after the checks that would otherwise end in a traceback or a download: a flag
     SGLang's parser rejects, no accelerator and no ``--device``, and (``dry_run``) a
     model that is not a local folder; and selects the plugin's radix cache itself, so
-    SGLang validates the exact command that will run. Raises ``ValueError`` (one line)."""
+    SGLang validates the exact command that will run. With ``gpu_memory_mib`` SGLang
+    picks its memory defaults (``mem_fraction_static``, chunked prefill, graph batch
+    sizes) for a GPU of that capacity instead of this device's. Raises ``ValueError``
+    (one line)."""
     raw = _raw_server_args(argv)
     if raw.radix_cache_backend is not None:
         raise ValueError(
@@ -613,7 +619,8 @@ def parse_server_args(argv: list[str], *, dry_run: bool = False):
 
     environment = dict(os.environ)
     try:
-        return prepare_server_args([*argv, *backend_flags()])
+        with _device_memory_mib(gpu_memory_mib):
+            return prepare_server_args([*argv, *backend_flags()])
     except (ValueError, AssertionError, NotImplementedError, RuntimeError) as error:
         # SGLang's own validation of the combination (it asserts some of it).
         raise ValueError(f"SGLang refuses these arguments: {first_line(error)}") from None
@@ -627,6 +634,27 @@ def parse_server_args(argv: list[str], *, dry_run: bool = False):
         for key, value in environment.items():
             if os.environ.get(key) != value:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _device_memory_mib(gpu_memory_mib: float | None):
+    """SGLang's argument parsing reads this capacity (MiB) as the device's."""
+    if gpu_memory_mib is None:
+        yield
+        return
+    import importlib
+
+    from sglang_evict.srt.versioned import DEVICE_MEMORY_READERS
+
+    modules = [importlib.import_module(name) for name in DEVICE_MEMORY_READERS]
+    real = [module.get_device_memory_capacity for module in modules]
+    for module in modules:
+        module.get_device_memory_capacity = lambda device=None: gpu_memory_mib
+    try:
+        yield
+    finally:
+        for module, function in zip(modules, real, strict=True):
+            module.get_device_memory_capacity = function
 
 
 def backend_flags() -> list[str]:

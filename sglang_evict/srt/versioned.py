@@ -48,6 +48,10 @@ class _ReqKv0517:
     def req_pool_idx(self):
         return self._req.req_pool_idx
 
+    @req_pool_idx.setter
+    def req_pool_idx(self, value) -> None:
+        self._req.req_pool_idx = value
+
     @property
     def kv_committed_len(self) -> int:
         return self._req.kv_committed_len
@@ -345,3 +349,16 @@ def match_prefix(cache, tokens, extra_key: str | None = None) -> tuple[Tensor, o
         path = cache.path_device_indices(match.last_device_node)
         return path[: match.device_prefix_len], match.last_device_node
     return match.device_indices, match.last_device_node
+
+
+# The modules whose ``get_device_memory_capacity`` SGLang's argument parsing calls to
+# pick its memory defaults (``server_args._device_memory_mib`` stands in a GPU's size).
+DEVICE_MEMORY_READERS = (
+    (
+        "sglang.srt.arg_groups.memory_hook",
+        "sglang.srt.arg_groups.kv_shard_hook",
+        "sglang.srt.arg_groups.model_overrides.qwen3_vl",
+    )
+    if IS_0_5_23
+    else ("sglang.srt.server_args",)
+)
