@@ -44,19 +44,20 @@ SHAPES = {
 }
 # The attention kernel's launch settings besides its defaults (the `grouped` body,
 # splits from the GPU's size, NUM_WARPS): one split; 4 warps; replayed from a CUDA graph
-# (no host work); then the `lean` body (tier_attention.KERNELS) with its defaults, with
-# tf32 products, with 4 warps, and with 16 splits (8x the programs: does occupancy bind?).
+# (no host work); then the `words` body (tier_attention.KERNELS) with its defaults
+# (half-precision products), with tf32 products, with 4 warps, and with 16 splits (8x
+# the programs: does occupancy bind?).
 VARIANTS = {
     "1 split": {"splits": 1},
     "4 warps": {"num_warps": 4},
     "graph": {"graph": True},
-    "lean": {"kernel": "lean"},
-    "lean tf32": {"kernel": "lean", "precision": "tf32"},
-    "lean w4": {"kernel": "lean", "num_warps": 4},
-    "lean s16": {"kernel": "lean", "splits": 16},
+    "words": {"kernel": "words"},
+    "words tf32": {"kernel": "words", "precision": "tf32"},
+    "words w4": {"kernel": "words", "num_warps": 4},
+    "words s16": {"kernel": "words", "splits": 16},
 }
 # Bodies whose compiled resources (registers, spills, shared memory) are printed.
-RESOURCES = {"grouped": {}, "lean": {"kernel": "lean"}}
+RESOURCES = {"grouped": {}, "words": {"kernel": "words"}}
 
 
 def timed_variant(fn, device: str, graph: bool) -> float:

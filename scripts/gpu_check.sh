@@ -62,7 +62,7 @@ python3 -c "import torch, triton, sglang; print('torch', torch.__version__, 'tri
 
 kernel_benches() {
   local t=${BENCH_TIMEOUT_S:-240}
-  # both attention bodies (grouped, lean) and their variants, on both shapes
+  # both attention bodies (grouped, words) and their variants, on both shapes
   timeout "$t" python3 benches/bench_tier.py 2>&1 | tee "$out/bench_tier.txt"
   timeout "$t" python3 benches/bench_tier.py --shape smollm2 2>&1 | tee "$out/bench_tier_smollm2.txt"
   timeout "$t" python3 benches/bench_repack.py 2>&1 | tee "$out/bench_repack.txt"

@@ -19,7 +19,7 @@ clock, not 4. This is a static count: loop-carried latency, memory stalls and oc
 are not in it; only a GPU measures them (``benches/bench_tier.py``).
 
     python3 scripts/tier_kernel_sass.py [--arch 90] [--bits 3] [--shape llama8b] [--warps 2]
-        [--lines lean]     # that body's loop instructions by source line (a static profile)
+        [--lines words]     # that body's loop instructions by source line (a static profile)
 
 Needs Triton with its NVIDIA backend (the project's pinned torch has it); no GPU.
 """
@@ -46,8 +46,8 @@ SCALE_BYTES = 2  # float16 scales
 # (name, jit function attribute, extra constexprs, query heads padded to >= 16)
 BODIES = (
     ("grouped", "attention_kernel", {}, False),
-    ("lean", "attention_lean_kernel", {"PRECISION": "tf32x3"}, True),
-    ("lean tf32", "attention_lean_kernel", {"PRECISION": "tf32"}, True),
+    ("words", "attention_words_kernel", {"PRECISION": "fp16", "NP": 16}, True),
+    ("words tf32", "attention_words_kernel", {"PRECISION": "tf32", "NP": 16}, True),
 )
 
 

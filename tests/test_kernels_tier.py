@@ -47,6 +47,24 @@ def test_packing_round_trips_and_takes_bits_over_eight_bytes_per_code(bits):
 
 
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_every_32_bit_word_of_a_row_holds_whole_codes(bits, head_dim):
+    """The layout a GPU decodes in a shift and a mask a code: change one code and only
+    one word of its row changes (no code crosses a word), and a row is whole words."""
+    gen = torch.Generator().manual_seed(bits * head_dim)
+    codes = torch.randint(0, 2**bits, (1, head_dim), generator=gen)
+    packed = pack_codes(codes, bits)
+    assert packed.shape[-1] % 4 == 0
+    words = packed.view(torch.int32)
+    for channel in range(head_dim):
+        other = codes.clone()
+        other[0, channel] = (other[0, channel] + 1) % 2**bits
+        changed = (pack_codes(other, bits).view(torch.int32) != words).sum().item()
+        # 3 bits: a code's low bits and high bit are in two planes, one word each
+        assert changed == (1 if bits != 3 else 1 + (codes[0, channel] % 4 == 3)), channel
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
 @pytest.mark.parametrize("outliers", [0, 3])
 @pytest.mark.parametrize("full_dtype", [torch.float32, torch.bfloat16])
 def test_the_stores_tensors_hold_the_documented_bytes(bits, outliers, full_dtype):
@@ -193,7 +211,12 @@ def test_merged_partial_attentions_equal_one_softmax_over_every_token(bits, page
 
 # --- the Triton kernels, held to the references (the interpreter on CPU) ------------
 
-from sglang_evict_kernels.tier_attention import KERNELS, tier_attention_triton  # noqa: E402
+from sglang_evict_kernels.tier_attention import (  # noqa: E402
+    KERNELS,
+    WORDS_PRECISIONS,
+    WORDS_TOLERANCE,
+    tier_attention_triton,
+)
 from sglang_evict_kernels.tier_quant import (  # noqa: E402
     quantize_into_reference,
     quantize_into_triton,
@@ -275,33 +298,62 @@ def test_the_attention_kernel_returns_the_references_output_and_lse(bits, outlie
     torch.testing.assert_close(o_torch, o_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse_torch, lse_ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(o_torch[1], torch.zeros_like(o_torch[1]))
-    kernels = {  # both bodies; the splits of a request's groups, merged by the second launch
-        f"{kernel}, {splits} splits": lambda splits=splits, kernel=kernel: tier_attention_triton(
-            *on_device, table, counts, fmt, splits=splits, kernel=kernel
-        )
-        for kernel in KERNELS
-        for splits in (1, 2, 4, None)
-    }
-    for name, kernel in kernels.items():
-        o, lse = on_host(kernel())
-        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5, msg=f"{name}: o differs")
-        assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)), name  # the empty request
-        torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5, msg=f"{name}: lse")
-        assert torch.equal(o[1], torch.zeros_like(o[1])), name
+    # every body and precision; the splits of a request's groups, merged by the second
+    # launch. Float32 products hold the reference to 1e-5; the words body's half-precision
+    # products (its default) to the tolerance tier_attention states for them.
+    bodies = [("grouped", None, 1e-5)] + [
+        ("words", precision, WORDS_TOLERANCE[precision]) for precision in WORDS_PRECISIONS
+    ]
+    assert {kernel for kernel, _, _ in bodies} == set(KERNELS)
+    for kernel, precision, tol in bodies:
+        for splits in (1, 2, 4, None):
+            name = f"{kernel} {precision}, {splits} splits"
+            o, lse = on_host(
+                tier_attention_triton(
+                    *on_device,
+                    table,
+                    counts,
+                    fmt,
+                    splits=splits,
+                    kernel=kernel,
+                    precision=precision,
+                )
+            )
+            torch.testing.assert_close(o, o_ref, rtol=tol, atol=tol, msg=f"{name}: o differs")
+            assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)), name  # the empty request
+            torch.testing.assert_close(lse, lse_ref, rtol=tol, atol=tol, msg=f"{name}: lse")
+            assert torch.equal(o[1], torch.zeros_like(o[1])), name
 
 
-def test_the_lean_kernel_refuses_what_it_cannot_run_by_name():
+def test_the_words_kernel_refuses_what_it_cannot_run_by_name():
     fmt = TierFormat(bits=3, group_tokens=8, head_dim=64)
     k, v = kv(2, fmt)
     store = quantize_groups_reference(k, v, fmt)
     table, counts = request_tables([1, 1], 2)
     q = torch.zeros(2, 2, 64)
     with pytest.raises(ValueError, match=r"at least 16 tokens.*kernel='grouped'"):
-        tier_attention_triton(q, store, table, counts, fmt, kernel="lean")
+        tier_attention_triton(q, store, table, counts, fmt, kernel="words")
     with pytest.raises(ValueError, match="precision 'fp8'"):
-        tier_attention_triton(q, store, table, counts, fmt, kernel="lean", precision="fp8")
+        tier_attention_triton(q, store, table, counts, fmt, kernel="words", precision="fp8")
+    with pytest.raises(ValueError, match="grouped tier attention kernel takes no precision"):
+        tier_attention_triton(q, store, table, counts, fmt, precision="fp16")
     with pytest.raises(ValueError, match="kernel 'fast'"):
         tier_attention_triton(q, store, table, counts, fmt, kernel="fast")
+
+
+def test_codes_that_do_not_start_on_a_word_are_refused():
+    """The kernels read a row's codes as 32-bit words: a store whose codes start off a
+    word (a view at an odd byte of a larger buffer) is refused, not misread."""
+    fmt = TierFormat(bits=3, group_tokens=32, head_dim=64)
+    k, v = kv(1, fmt)
+    store = quantize_groups_reference(k, v, fmt)
+    raw = torch.zeros(store.k_codes.numel() + 1, dtype=torch.uint8)
+    shifted = raw[1:].view(store.k_codes.shape)
+    shifted.copy_(store.k_codes)
+    store.k_codes = shifted
+    table, counts = request_tables([1], 1)
+    with pytest.raises(ValueError, match=r"4-byte word.*k_codes"):
+        tier_attention_triton(torch.zeros(1, 2, 64), store, table, counts, fmt)
 
 
 def test_a_store_the_kernels_cannot_index_is_refused():

@@ -17,9 +17,10 @@ and computes the softmax in float32; ``tier_attention_triton`` reads the packed 
 one program per (request, KV head, split of the request's groups): every query head of
 the KV head at once, groups streamed with an online softmax, the splits merged by a
 second launch (one split: no second launch). It has two bodies (``KERNELS``):
-``grouped``, measured on an H200 (the default), and ``lean``, the same program with
-two-dimensional tiles and ``tl.dot`` products, written after that measurement and not
-yet run on a GPU (``benches/bench_tier.py`` times both side by side).
+``grouped``, measured on an H200 (the default), and ``words``, the same program with
+whole-code words, the key scale folded into the query, ``tl.dot`` products and the
+outlier tokens as a tile of their own, written after that measurement and not yet run
+on a GPU (``benches/bench_tier.py`` times both side by side).
 Queries ``[B, Hq, D]`` share KV heads in groups of ``Hq / H`` (GQA); a request's groups
 are the slots ``group_table[b, :num_groups[b]]``.
 """
@@ -210,16 +211,26 @@ def decode_merge_reference(
 # (benches/results/bench_tier_h200.txt, 2026-11-27; all far below the copy's rate).
 NUM_WARPS = 2
 # The attention kernel's bodies (tier_jit):
-#   grouped  codes unpacked through [G, D / 8, 4] byte tiles and reshapes, products as
-#            three-dimensional broadcasts; 0.08-0.13 of a copy's rate on an H200
-#   lean     every tile [G, D]: a code read from its own byte(s), a value's scale by
-#            index, both products tl.dot over the query heads padded to 16 (needs
-#            groups of 16 tokens or more); not yet run on a GPU
-KERNELS = ("grouped", "lean")
-# tl.dot's input precisions the lean body takes: "tf32x3" keeps float32's accuracy
-# (the reference's, to 1e-5) on tensor cores; "tf32" is faster and looser (~1e-3).
-LEAN_PRECISIONS = ("tf32x3", "tf32", "ieee")
-LEAN_MIN_GROUP_TOKENS = 16
+#   grouped  codes unpacked through [G, D / 32 * bits, 32 / bits] word tiles and
+#            reshapes, products as three-dimensional broadcasts; 0.08-0.13 of a copy's
+#            rate on an H200 (in the byte layout before whole-code words)
+#   words    a row's words loaded once, the keys' scale and zero folded into the
+#            query, both products tl.dot over the query heads padded to 16 (needs
+#            groups of 16 tokens or more), outlier tokens a tile of their own; not yet
+#            run on a GPU (scripts/tier_kernel_sass.py counts it)
+KERNELS = ("grouped", "words")
+# The words body's products: "fp16" (half-precision inputs, float32 sums: about 1e-3 of
+# the output's scale, FlashAttention's own precision), or tl.dot's float32 input
+# precisions, "tf32x3" (float32's accuracy, the reference's to 1e-5), "tf32", "ieee".
+WORDS_PRECISIONS = ("fp16", "tf32x3", "tf32", "ieee")
+WORDS_DEFAULT_PRECISION = "fp16"
+# What each precision holds the reference to (absolute and relative, output and lse),
+# tested under the interpreter (tests/test_kernels_tier.py); half-precision products
+# came within 2.5e-3 there at 2-8 bits and head dims 64 and 128.
+WORDS_TOLERANCE = {"fp16": 5e-3, "tf32x3": 1e-5, "tf32": 5e-3, "ieee": 1e-5}
+WORDS_MIN_GROUP_TOKENS = 16
+# Rows of a group's outlier tile in the words body: tl.dot's least dimension.
+WORDS_MIN_OUTLIER_ROWS = 16
 
 
 def _splits_for(programs: int, max_groups: int, device: torch.device) -> int:
@@ -241,14 +252,14 @@ def tier_attention_triton(
     splits: int | None = None,
     num_warps: int | None = None,
     kernel: str = "grouped",
-    precision: str = "tf32x3",
+    precision: str | None = None,
     stats: dict | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``tier_attention_reference``'s result from the packed bytes: one program per
     (request, KV head, split) reads each group once for all the KV head's query heads;
     with more than one split a second launch merges the splits. ``splits`` defaults to
     ``_splits_for``'s choice; ``num_warps`` to ``NUM_WARPS``; ``kernel`` is one of
-    ``KERNELS`` (``precision``: the lean body's ``tl.dot`` input precision). A ``stats``
+    ``KERNELS`` (``precision``: the words body's products, ``WORDS_PRECISIONS``). A ``stats``
     dict receives the compiled attention kernel's registers per thread, spilled
     registers and shared memory where Triton reports them (a GPU; not the
     interpreter)."""
@@ -256,15 +267,18 @@ def tier_attention_triton(
     store.check_contiguous()
     if kernel not in KERNELS:
         raise ValueError(f"tier attention kernel {kernel!r}: one of {KERNELS}")
-    if kernel == "lean":
-        if precision not in LEAN_PRECISIONS:
-            raise ValueError(f"lean kernel precision {precision!r}: one of {LEAN_PRECISIONS}")
-        if fmt.group_tokens < LEAN_MIN_GROUP_TOKENS:
+    if kernel == "words":
+        precision = WORDS_DEFAULT_PRECISION if precision is None else precision
+        if precision not in WORDS_PRECISIONS:
+            raise ValueError(f"words kernel precision {precision!r}: one of {WORDS_PRECISIONS}")
+        if fmt.group_tokens < WORDS_MIN_GROUP_TOKENS:
             raise ValueError(
-                f"the lean tier attention kernel needs groups of at least "
-                f"{LEAN_MIN_GROUP_TOKENS} tokens (tl.dot); this tier's are "
+                f"the words tier attention kernel needs groups of at least "
+                f"{WORDS_MIN_GROUP_TOKENS} tokens (tl.dot); this tier's are "
                 f"{fmt.group_tokens}: use kernel='grouped'"
             )
+    elif precision is not None:
+        raise ValueError(f"the {kernel} tier attention kernel takes no precision")
     sm_scale = 1.0 / math.sqrt(fmt.head_dim) if sm_scale is None else sm_scale
     b, hq, d = q.shape
     h = store.k_codes.shape[2]
@@ -280,8 +294,11 @@ def tier_attention_triton(
     lse_part = lse if s == 1 else torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
     from sglang_evict_kernels import tier_jit
 
-    body = tier_jit.attention_kernel if kernel == "grouped" else tier_jit.attention_lean_kernel
-    extra = {} if kernel == "grouped" else {"PRECISION": precision}
+    if kernel == "grouped":
+        body, extra = tier_jit.attention_kernel, {}
+    else:
+        np_rows = max(WORDS_MIN_OUTLIER_ROWS, triton_pow2(store.outliers))
+        body, extra = tier_jit.attention_words_kernel, {"PRECISION": precision, "NP": np_rows}
     compiled = body[(b, h, s)](
         q.contiguous(),
         table,

@@ -16,9 +16,19 @@ Codes are ``bits``-bit unsigned integers, ``code = floor((x - zero) / scale + 0.
 clamped to ``[0, 2**bits - 1]`` (0 where the range is empty), computed in float32 from
 the scale and zero as stored (``scale_dtype``: float16 or bfloat16), so the stored
 values alone give back what attention reads: ``x' = code * scale + zero`` in float32.
-Eight consecutive codes along the head dimension pack into ``bits`` bytes, little-endian
-(code ``i`` of a chunk at bit ``bits * i``): exactly ``bits / 8`` bytes per element,
-for 2, 3, 4 and 8 bits alike.
+A row (one token's ``D`` codes of one KV head) is made of 32-bit words that each hold
+whole codes, so that a GPU decodes a code with a shift and a mask and no code crosses a
+word (exactly ``bits / 8`` bytes per element, for 2, 3, 4 and 8 bits alike):
+
+* 2, 4 and 8 bits: one little-endian bit stream, code ``i`` at bit ``bits * i`` (word
+  ``i // (32 / bits)`` holds ``32 / bits`` whole codes);
+* 3 bits: two planes, ``D / 4`` bytes of the codes' low two bits (a 2-bit stream, code
+  ``i`` at bit ``2 i``) and then ``D / 8`` bytes of their high bit (a 1-bit stream, code
+  ``i`` at bit ``i``): ``code = low | high << 2``. Both planes are whole words for every
+  supported head dim (``D / 16`` and ``D / 32`` of them).
+
+A row is ``D * bits / 8`` bytes, a multiple of 4 for every supported head dim and width,
+so every row starts on a word (``TierStore.check_contiguous`` checks the tensors' start).
 
 Storage of ``S`` group slots (``TierStore``), ``H`` KV heads, head dim ``D``:
 
@@ -46,7 +56,8 @@ from torch import Tensor
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # 256: Gemma 2 and 3
 SCALE_DTYPES = (torch.float16, torch.bfloat16)
-PACK_CHUNK = 8  # codes per chunk of ``bits`` bytes
+PACK_CHUNK = 8  # codes per chunk of ``bits`` bytes (of one bit stream)
+WORD_BYTES = 4  # a row's words, and the alignment the kernels read them at
 # OTT found no outlier tokens in the first two layers (its ablation, section 4).
 OUTLIER_FIRST_LAYER = 2
 
@@ -173,10 +184,18 @@ class TierStore:
         )
 
     def check_contiguous(self) -> None:
-        """The kernels index the store's tensors as dense arrays."""
+        """The kernels index the store's tensors as dense arrays, and read codes by words."""
         loose = [name for name, t in self.tensors().items() if not t.is_contiguous()]
         if loose:
             raise ValueError(f"tier store tensors must be contiguous: {loose} are not")
+        off = [
+            name for name in ("k_codes", "v_codes") if getattr(self, name).data_ptr() % WORD_BYTES
+        ]
+        if off:
+            raise ValueError(
+                f"tier store codes must start on a {WORD_BYTES}-byte word (the kernels read "
+                f"whole words): {off} do not"
+            )
 
     @property
     def num_slots(self) -> int:
@@ -198,8 +217,9 @@ class TierStore:
         return TierStore(**{name: t[slots] for name, t in self.tensors().items()})
 
 
-def pack_codes(codes: Tensor, bits: int) -> Tensor:
-    """uint8 ``[..., D * bits / 8]`` from codes ``[..., D]`` (values below ``2**bits``)."""
+def _pack_stream(codes: Tensor, bits: int) -> Tensor:
+    """uint8 ``[..., D * bits / 8]``: codes ``[..., D]`` as one little-endian bit stream,
+    code ``i`` at bit ``bits * i`` (eight codes a chunk of ``bits`` bytes)."""
     if bits == 8:
         return codes.to(torch.uint8)
     *lead, d = codes.shape
@@ -211,12 +231,12 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     return packed.reshape(*lead, d * bits // PACK_CHUNK).to(torch.uint8)
 
 
-def unpack_codes(packed: Tensor, bits: int, dtype: torch.dtype = torch.int64) -> Tensor:
-    """Codes ``[..., D]`` (``dtype``) from ``pack_codes``'s bytes. A chunk's ``bits``
-    bytes fit an int32 word (4 bytes at most: the top code's sign-extended bits are
-    masked off), which runs about twice as fast as int64 on CPU."""
+def _unpack_stream(packed: Tensor, bits: int) -> Tensor:
+    """int32 codes from ``_pack_stream``'s bytes. A chunk's ``bits`` bytes fit an int32
+    word (4 bytes at most: the top code's sign-extended bits are masked off), which
+    runs about twice as fast as int64 on CPU."""
     if bits == 8:
-        return packed.to(dtype)
+        return packed.to(torch.int32)
     *lead, nbytes = packed.shape
     chunks = packed.reshape(*lead, nbytes // bits, bits).to(torch.int32)
     word = chunks[..., 0]
@@ -224,7 +244,25 @@ def unpack_codes(packed: Tensor, bits: int, dtype: torch.dtype = torch.int64) ->
         word = word | (chunks[..., i] << (8 * i))
     shifts = torch.arange(PACK_CHUNK, device=packed.device, dtype=torch.int32) * bits
     codes = (word.unsqueeze(-1) >> shifts) & (2**bits - 1)
-    return codes.reshape(*lead, nbytes // bits * PACK_CHUNK).to(dtype)
+    return codes.reshape(*lead, nbytes // bits * PACK_CHUNK)
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """uint8 ``[..., D * bits / 8]`` from codes ``[..., D]`` (values below ``2**bits``),
+    in the module docstring's row layout."""
+    if bits != 3:
+        return _pack_stream(codes, bits)
+    codes = codes.to(torch.int64)
+    return torch.cat([_pack_stream(codes & 3, 2), _pack_stream(codes >> 2, 1)], dim=-1)
+
+
+def unpack_codes(packed: Tensor, bits: int, dtype: torch.dtype = torch.int64) -> Tensor:
+    """Codes ``[..., D]`` (``dtype``) from ``pack_codes``'s bytes."""
+    if bits != 3:
+        return _unpack_stream(packed, bits).to(dtype)
+    d = packed.shape[-1] * 8 // 3
+    low, high = packed[..., : d // 4], packed[..., d // 4 :]
+    return (_unpack_stream(low, 2) | (_unpack_stream(high, 1) << 2)).to(dtype)
 
 
 def encode(x: Tensor, lo: Tensor, hi: Tensor, levels: int, scale_dtype: torch.dtype):

@@ -19,6 +19,78 @@ def to_scale_dtype(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def store_stream(codes, base, c, G: tl.constexpr, D: tl.constexpr, B: tl.constexpr):
+    """Codes ``c`` ``[G, D]`` (int32, below ``2**B``) as one little-endian bit stream of
+    ``B`` bits a code from byte offsets ``base`` ``[G]``: eight codes a chunk of ``B``
+    bytes (tier_format's layout)."""
+    if B == 8:
+        tl.store(codes + base[:, None] + tl.arange(0, D)[None, :], c.to(tl.uint8))
+    else:
+        shifts = tl.arange(0, 8) * B
+        w = tl.sum(tl.reshape(c, (G, D // 8, 8)) << shifts[None, None, :], axis=2)
+        j = tl.arange(0, 4)  # bytes of a chunk (B <= 4 of them)
+        chunk = tl.arange(0, D // 8)
+        offs = base[:, None, None] + chunk[None, :, None] * B + j[None, None, :]
+        keep = (j < B)[None, None, :] & (base >= 0)[:, None, None]
+        tl.store(
+            codes + offs, ((w[:, :, None] >> (j * 8)[None, None, :]) & 255).to(tl.uint8), mask=keep
+        )
+
+
+@triton.jit
+def store_row_codes(codes, base, c, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """A row of codes per token at byte offsets ``base``: one stream, or at 3 bits the
+    low two bits' plane and then the high bit's (tier_format's layout)."""
+    if BITS == 3:
+        store_stream(codes, base, c & 3, G, D, 2)
+        store_stream(codes, base + D // 4, c >> 2, G, D, 1)
+    else:
+        store_stream(codes, base, c, G, D, BITS)
+
+
+@triton.jit
+def shifted_codes(words, row_words, G: tl.constexpr, D: tl.constexpr, B: tl.constexpr):
+    """int32 ``[G, D]``: each code of a ``B``-bit stream shifted down to bit 0 of its
+    word, the word's later codes left above it (masked by the caller)."""
+    CPW: tl.constexpr = 32 // B
+    w = tl.load(words + row_words[:, None] + tl.arange(0, D // CPW)[None, :])  # [G, D / CPW]
+    return tl.reshape(w[:, :, None] >> (tl.arange(0, CPW) * B)[None, None, :], (G, D))
+
+
+@triton.jit
+def load_row_halves(words, row_words, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """float16 codes ``[G, D]`` (exact: below 256) of rows starting at the 32-bit words
+    ``row_words``, by the mantissa trick int4 kernels use: a code ORed into the low
+    mantissa bits of 1024.0 is 1024 + code as a half, so one logical operation and a
+    half-precision subtraction replace an integer-to-float conversion."""
+    if BITS == 3:
+        low = shifted_codes(words, row_words, G, D, 2)
+        high = shifted_codes(words, row_words + D // 16, G, D, 1)
+        x = (low & 3) | ((high << 2) & 4)
+    else:
+        x = shifted_codes(words, row_words, G, D, BITS) & ((1 << BITS) - 1)
+    return (x | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def load_stream(words, row_words, G: tl.constexpr, D: tl.constexpr, B: tl.constexpr):
+    """int32 codes ``[G, D]`` of a ``B``-bit stream whose rows start at the 32-bit words
+    ``row_words`` ``[G]``: each word loaded once and holding ``32 / B`` whole codes."""
+    return shifted_codes(words, row_words, G, D, B) & ((1 << B) - 1)
+
+
+@triton.jit
+def load_row_codes(words, row_words, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """int32 codes ``[G, D]`` of rows starting at the 32-bit words ``row_words``: one
+    stream, or at 3 bits ``low | high << 2`` from the two planes."""
+    if BITS == 3:
+        low = load_stream(words, row_words, G, D, 2)
+        return low | (load_stream(words, row_words + D // 16, G, D, 1) << 2)
+    else:
+        return load_stream(words, row_words, G, D, BITS)
+
+
+@triton.jit
 def quantize_kernel(
     k_buf,
     v_buf,
@@ -99,29 +171,10 @@ def quantize_kernel(
     vc = tl.where(vs32[:, :, None] > 0, vc, 0.0).to(tl.int32)
     vc = tl.reshape(vc, (G, D))
 
-    # Pack eight codes into BITS bytes (little-endian), both tensors.
+    # Pack the rows (tier_format's layout), both tensors.
     code_base = ((slot * G + g) * H + h) * P  # [G]
-    if BITS == 8:
-        tl.store(k_codes + code_base[:, None] + d[None, :], kc.to(tl.uint8))
-        tl.store(v_codes + code_base[:, None] + d[None, :], vc.to(tl.uint8))
-    else:
-        shifts = tl.arange(0, 8) * BITS
-        kw = tl.sum(tl.reshape(kc, (G, D // 8, 8)) << shifts[None, None, :], axis=2)
-        vw = tl.sum(tl.reshape(vc, (G, D // 8, 8)) << shifts[None, None, :], axis=2)
-        j = tl.arange(0, 4)  # bytes of a chunk (BITS <= 4 of them)
-        chunk = tl.arange(0, D // 8)
-        b_offs = code_base[:, None, None] + chunk[None, :, None] * BITS + j[None, None, :]
-        keep = (j < BITS)[None, None, :] & (g >= 0)[:, None, None]
-        tl.store(
-            k_codes + b_offs,
-            ((kw[:, :, None] >> (j * 8)[None, None, :]) & 255).to(tl.uint8),
-            mask=keep,
-        )
-        tl.store(
-            v_codes + b_offs,
-            ((vw[:, :, None] >> (j * 8)[None, None, :]) & 255).to(tl.uint8),
-            mask=keep,
-        )
+    store_row_codes(k_codes, code_base, kc, G, D, BITS)
+    store_row_codes(v_codes, code_base, vc, G, D, BITS)
 
 
 @triton.jit
@@ -245,23 +298,11 @@ def attention_kernel(
     start, stop = split_range(num_groups, b, s, S)
     for i in range(start, stop):
         slot = tl.load(group_table + b * W + i).to(tl.int64)
-        rows = ((slot * G + g) * H + h) * P
+        rows = ((slot * G + g) * H + h) * (P // 4)  # rows' first 32-bit words
         ks = tl.load(k_scale + (slot * H + h) * D + d).to(tl.float32)
         kz = tl.load(k_zero + (slot * H + h) * D + d).to(tl.float32)
-        if BITS == 8:
-            kc = tl.load(k_codes + rows[:, None] + d[None, :]).to(tl.int32)
-            vc = tl.load(v_codes + rows[:, None] + d[None, :]).to(tl.int32)
-        else:
-            byte = tl.arange(0, 4)
-            chunk = tl.arange(0, D // 8)
-            offs = rows[:, None, None] + chunk[None, :, None] * BITS + byte[None, None, :]
-            keep = (byte < BITS)[None, None, :] & (rows >= 0)[:, None, None]
-            lift = (byte * 8)[None, None, :]
-            shifts = (tl.arange(0, 8) * BITS)[None, None, :]
-            kw = tl.sum(tl.load(k_codes + offs, mask=keep, other=0).to(tl.int32) << lift, axis=2)
-            vw = tl.sum(tl.load(v_codes + offs, mask=keep, other=0).to(tl.int32) << lift, axis=2)
-            kc = tl.reshape((kw[:, :, None] >> shifts) & ((1 << BITS) - 1), (G, D))
-            vc = tl.reshape((vw[:, :, None] >> shifts) & ((1 << BITS) - 1), (G, D))
+        kc = load_row_codes(k_codes.to(tl.pointer_type(tl.int32)), rows, G, D, BITS)
+        vc = load_row_codes(v_codes.to(tl.pointer_type(tl.int32)), rows, G, D, BITS)
         k = kc.to(tl.float32) * ks[None, :] + kz[None, :]
         blocks = ((slot * G + g[:, None]) * H + h) * (D // C) + tl.arange(0, D // C)[None, :]
         vs = tl.load(v_scale + blocks).to(tl.float32)
@@ -309,7 +350,7 @@ def merge_splits_kernel(
 
 
 @triton.jit
-def attention_lean_kernel(
+def attention_words_kernel(
     q,  # [B, Hq, D]
     group_table,  # [B, W] int32
     num_groups,  # [B] int32
@@ -335,59 +376,101 @@ def attention_lean_kernel(
     N_OUT: tl.constexpr,
     QB: tl.constexpr,  # query heads per KV head, padded to a power of two >= 16 (tl.dot)
     S: tl.constexpr,  # splits of a request's groups
-    PRECISION: tl.constexpr,  # tl.dot's input_precision: "ieee", "tf32x3" or "tf32"
+    PRECISION: tl.constexpr,  # the products: "fp16" (tensor cores' half) or tl.dot's "tf32"
+    NP: tl.constexpr,  # outlier rows a group, padded to a power of two >= 16 (tl.dot)
 ):
-    """``attention_kernel``'s result with every tile two-dimensional ([G, D]): a
-    channel's code is read straight from its byte(s) of the row (a row is one
-    little-endian bit stream, code ``c`` at bit ``c * BITS``), a value's scale by its
-    (token, block) index, and both products are ``tl.dot`` (tensor cores; the query
-    heads padded to ``QB``). No reshape, no three-dimensional broadcast."""
+    """``attention_kernel``'s result in fewer instructions a code: a row's 32-bit words
+    each loaded once (whole codes in each: tier_format's layout), the keys' per-channel
+    scale and zero folded into the query once a group,
+
+        q . (code * scale + zero) = (q * scale) . code + q . zero,
+
+    so key codes go to the product as they are; both products ``tl.dot`` (tensor cores,
+    the query heads padded to ``QB``); a group's outlier tokens a tile of their own
+    (``NP`` rows of full-precision keys and values, their own two products), their code
+    slots' scores set to -inf, instead of a select over every element."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     QPK: tl.constexpr = HQ // H
     P: tl.constexpr = D * BITS // 8
-    LEVELS: tl.constexpr = (1 << BITS) - 1
+    NB: tl.constexpr = D // C
     g = tl.arange(0, G)
     d = tl.arange(0, D)
     qh = tl.arange(0, QB)
     q_ok = qh < QPK
     heads = h * QPK + qh
     query = load_queries(q, b, heads, q_ok, d, HQ, D) * sm_scale  # [QB, D]
-    # Offsets within a group, the same for every group (int32, computed once): a
-    # channel's code starts in byte (c * BITS) // 8 of its token's row.
-    shift = (d * BITS) % 8
-    code_at = (g * (H * P))[:, None] + ((d * BITS) // 8)[None, :]  # [G, D]
-    spills = ((shift + BITS) > 8)[None, :] & (g >= 0)[:, None]  # into the next byte
-    block_at = (g * (H * (D // C)))[:, None] + (d // C)[None, :]  # [G, D]
+    if PRECISION == "fp16":
+        query_dot = query.to(tl.float16)
+    else:
+        query_dot = query
+    k_words = k_codes.to(tl.pointer_type(tl.int32))
+    v_words = v_codes.to(tl.pointer_type(tl.int32))
+    row_words = g * (H * (P // 4))  # [G]: a token's row, in words from its group's first
+    blocks = g[:, None] * (H * NB) + tl.arange(0, NB)[None, :]  # [G, NB]
+    oj = tl.arange(0, NP)
+    o_ok = oj < N_OUT
     m = tl.full([QB], float("-inf"), tl.float32)
     total = tl.zeros([QB], dtype=tl.float32)
     acc = tl.zeros([QB, D], dtype=tl.float32)
     start, stop = split_range(num_groups, b, s, S)
     for i in range(start, stop):
         slot = tl.load(group_table + b * W + i).to(tl.int64)
-        k_at = k_codes + (slot * G * H + h) * P + code_at
-        v_at = v_codes + (slot * G * H + h) * P + code_at
-        kc = tl.load(k_at).to(tl.int32)
-        vc = tl.load(v_at).to(tl.int32)
-        if 8 % BITS != 0:  # 3 bits: some codes straddle two bytes
-            kc = kc | (tl.load(k_at + 1, mask=spills, other=0).to(tl.int32) << 8)
-            vc = vc | (tl.load(v_at + 1, mask=spills, other=0).to(tl.int32) << 8)
-        kc = (kc >> shift[None, :]) & LEVELS
-        vc = (vc >> shift[None, :]) & LEVELS
+        first = (slot * G * H + h) * (P // 4)
+        # keys: the scale folded into the query, the codes as they are
         ks = tl.load(k_scale + (slot * H + h) * D + d).to(tl.float32)
         kz = tl.load(k_zero + (slot * H + h) * D + d).to(tl.float32)
-        k = kc.to(tl.float32) * ks[None, :] + kz[None, :]  # [G, D]
-        v_base = (slot * G * H + h) * (D // C)
-        vs = tl.load(v_scale + v_base + block_at).to(tl.float32)
-        vz = tl.load(v_zero + v_base + block_at).to(tl.float32)
-        v = vc.to(tl.float32) * vs + vz  # [G, D]
-        k, v = with_outlier_rows(k, v, g, d, slot, h, out_index, out_k, out_v, H, D, N_OUT)
-        scores = tl.dot(query, tl.trans(k), input_precision=PRECISION)  # [QB, G]
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        bias = tl.sum(query * kz[None, :], axis=1)  # [QB]
+        kc = load_row_halves(k_words + first, row_words, G, D, BITS)  # [G, D] float16
+        if PRECISION == "fp16":
+            qk = (query * ks[None, :]).to(tl.float16)
+            scores = tl.dot(qk, tl.trans(kc)) + bias[:, None]  # [QB, G]
+        else:
+            qk = query * ks[None, :]
+            scores = tl.dot(qk, tl.trans(kc.to(tl.float32)), input_precision=PRECISION)
+            scores = scores + bias[:, None]
+        if N_OUT > 0:
+            o_row = (slot * H + h) * N_OUT + oj  # [NP]
+            at = tl.load(out_index + o_row, mask=o_ok, other=-1).to(tl.int32)
+            is_out = tl.max((g[:, None] == at[None, :]).to(tl.int32), axis=1) > 0  # [G]
+            scores = tl.where(is_out[None, :], float("-inf"), scores)
+            ok = tl.load(out_k + o_row[:, None] * D + d[None, :], mask=o_ok[:, None], other=0.0)
+            if PRECISION == "fp16":
+                o_scores = tl.dot(query_dot, tl.trans(ok.to(tl.float16)))  # [QB, NP]
+            else:
+                o_scores = tl.dot(query, tl.trans(ok.to(tl.float32)), input_precision=PRECISION)
+            o_scores = tl.where(o_ok[None, :], o_scores, float("-inf"))
+            m_new = tl.maximum(m, tl.maximum(tl.max(scores, axis=1), tl.max(o_scores, axis=1)))
+        else:
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         total = total * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        # values: dequantized per (token, block of C channels), in half precision where
+        # the scales are stored in it
+        vc = load_row_halves(v_words + first, row_words, G, D, BITS)
+        v_base = (slot * G * H + h) * NB
+        vs = tl.load(v_scale + v_base + blocks)  # [G, NB]
+        vz = tl.load(v_zero + v_base + blocks)
+        if PRECISION == "fp16" and v_scale.dtype.element_ty == tl.float16:
+            v = tl.reshape(vc, (G, NB, C)) * vs[:, :, None] + vz[:, :, None]
+            step = tl.dot(p.to(tl.float16), tl.reshape(v, (G, D)))
+        else:
+            v = tl.reshape(vc.to(tl.float32), (G, NB, C)) * vs.to(tl.float32)[:, :, None]
+            v = tl.reshape(v + vz.to(tl.float32)[:, :, None], (G, D))
+            if PRECISION == "fp16":
+                step = tl.dot(p.to(tl.float16), v.to(tl.float16))
+            else:
+                step = tl.dot(p, v, input_precision=PRECISION)
+        if N_OUT > 0:
+            ov = tl.load(out_v + o_row[:, None] * D + d[None, :], mask=o_ok[:, None], other=0.0)
+            po = tl.exp(o_scores - m_new[:, None])
+            total = total + tl.sum(po, axis=1)
+            if PRECISION == "fp16":
+                step += tl.dot(po.to(tl.float16), ov.to(tl.float16))
+            else:
+                step += tl.dot(po, ov.to(tl.float32), input_precision=PRECISION)
+        acc = acc * alpha[:, None] + step
         m = m_new
     store_split(o, lse, acc, total, m, start, stop, b, s, heads, q_ok, d, HQ, S, D)

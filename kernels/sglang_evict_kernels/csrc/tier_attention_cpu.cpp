@@ -59,7 +59,12 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// A row of ``d`` codes of BITS bits: chunks of 8 codes in BITS bytes, little-endian.
+// A row of ``d`` codes of BITS bits (tier_format.py's layout), read in chunks of 8
+// codes. At 2, 4 and 8 bits the row is one little-endian bit stream, a chunk ``BITS``
+// bytes of it (code j at bit ``BITS * j``). At 3 bits the row is a 2-bit plane of the
+// codes' low bits (``d / 4`` bytes) and a 1-bit plane of their high bit (``d / 8``): a
+// chunk's word holds its 16 low bits (code j's at bit 2j) and, from bit 16, its 8 high
+// bits (code j's at bit 16 + j).
 template <int BITS>
 using Word = std::conditional_t<(BITS * 8 <= 32), uint32_t, uint64_t>;
 
@@ -75,12 +80,28 @@ inline Word<BITS> chunk_word(const uint8_t* chunk) {
 // use masks off), byte by byte for the row's last chunks.
 template <int BITS>
 inline Word<BITS> row_chunk_word(const uint8_t* row, int64_t c, int64_t chunks) {
-  if (c * BITS + int64_t(sizeof(Word<BITS>)) <= chunks * BITS) {
-    Word<BITS> word;
-    std::memcpy(&word, row + c * BITS, sizeof word);
-    return word;
+  if constexpr (BITS == 3) {
+    uint16_t low;
+    std::memcpy(&low, row + 2 * c, sizeof low);
+    return Word<3>(low) | (Word<3>(row[2 * chunks + c]) << 16);
+  } else {
+    if (c * BITS + int64_t(sizeof(Word<BITS>)) <= chunks * BITS) {
+      Word<BITS> word;
+      std::memcpy(&word, row + c * BITS, sizeof word);
+      return word;
+    }
+    return chunk_word<BITS>(row + c * BITS);
   }
-  return chunk_word<BITS>(row + c * BITS);
+}
+
+// Code ``j`` of a chunk's word (or of a vector of them: one chunk a lane).
+template <int BITS, typename W>
+inline W chunk_code(W word, int j) {
+  if constexpr (BITS == 3) {
+    return ((word >> (2 * j)) & 3) | (((word >> (16 + j)) & 1) << 2);
+  } else {
+    return (word >> (BITS * j)) & ((1u << BITS) - 1);
+  }
 }
 
 struct Inputs {
@@ -147,7 +168,6 @@ inline void value_sums(const float* e, const float* vbuf, int64_t d, int64_t g, 
 // of a row (head dim / 8), is a constant so that the chunk-order loops are whole vectors.
 template <int BITS, int NC>
 void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
-  constexpr Word<BITS> kMask = (Word<BITS>(1) << BITS) - 1;
   constexpr int64_t D = NC * 8;
   const int64_t P = in.hq / in.h, G = in.g, NB = in.d / in.c, H = in.h;
   const int64_t CB = in.c / 8;  // chunks per value block
@@ -174,7 +194,7 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
         words[t] = row_chunk_word<BITS>(k_rows + t * token_stride, c, NC);
       for (int j = 0; j < 8; ++j) {
         float* col = s.key_t.data() + (c * 8 + j) * G;
-        for (int64_t t = 0; t < G; ++t) col[t] = float((words[t] >> (BITS * j)) & kMask);
+        for (int64_t t = 0; t < G; ++t) col[t] = float(chunk_code<BITS>(words[t], j));
       }
     }
     load_floats(in.st.k_scale, in.st.scale_type, sh * D, D, s.ks.data());
@@ -244,7 +264,7 @@ void attend(const Inputs& in, int64_t row, int64_t head, Scratch& s) {
           zero[c] = s.vz[b];
         }
       for (int j = 0; j < 8; ++j) {
-        const F code = __builtin_convertvector((vw >> (BITS * j)) & kMask, F);
+        const F code = __builtin_convertvector(chunk_code<BITS>(vw, j), F);
         store_vec<float, NC>(dst + j * NC, code * scale + zero);
       }
     }

@@ -10,8 +10,9 @@
 // even, as torch's ``.to``) and computes every code from the values as stored,
 // ``floor((x - zero) / scale + 0.5)`` clamped to [0, 2**bits - 1] (0 where the scale is
 // not positive) in float32, in the reference's operation order (no reciprocal, no fused
-// multiply-add: the build has no -ffast-math). Eight codes pack into ``bits`` bytes,
-// little-endian. Outlier rows are stored in the store's full dtype.
+// multiply-add: the build has no -ffast-math). Rows pack as tier_format.py lays them out
+// (whole codes in each 32-bit word; 3 bits as a 2-bit and a 1-bit plane). Outlier rows
+// are stored in the store's full dtype.
 #include "tier_cpu_common.h"
 
 #include <ATen/Parallel.h>
@@ -71,17 +72,30 @@ inline void encode_row(const float* x, const float* scale, const float* zero, in
                                                load_vec<float, kLanes>(zero + i), levels));
 }
 
-// ``d`` codes of ``bits`` bits into ``d * bits / 8`` bytes: code i of a chunk of 8 at
-// bit ``bits * i`` of the chunk's little-endian word.
+// ``d`` codes of ``bits`` bits, one little-endian bit stream (code i of a chunk of 8 at
+// bit ``bits * i`` of the chunk's word), into ``d * bits / 8`` bytes: the ``bits`` bits of
+// each code from its bit ``shift`` up.
+inline void pack_stream(const float* codes, int64_t d, int64_t bits, int shift, uint8_t* out) {
+  const uint32_t mask = (1u << bits) - 1;
+  for (int64_t c = 0; c < d / 8; ++c) {
+    uint64_t word = 0;
+    for (int j = 0; j < 8; ++j)
+      word |= uint64_t((uint32_t(codes[c * 8 + j]) >> shift) & mask) << (bits * j);
+    for (int64_t k = 0; k < bits; ++k) out[c * bits + k] = static_cast<uint8_t>(word >> (8 * k));
+  }
+}
+
+// ``d`` codes of ``bits`` bits into a row of ``d * bits / 8`` bytes (tier_format.py's
+// layout): one stream at 2, 4 and 8 bits; at 3 bits the low two bits' stream (``d / 4``
+// bytes) and then the high bit's (``d / 8``).
 inline void pack_row(const float* codes, int64_t d, int64_t bits, uint8_t* out) {
   if (bits == 8) {
     for (int64_t i = 0; i < d; ++i) out[i] = static_cast<uint8_t>(codes[i]);
-    return;
-  }
-  for (int64_t c = 0; c < d / 8; ++c) {
-    uint64_t word = 0;
-    for (int j = 0; j < 8; ++j) word |= uint64_t(codes[c * 8 + j]) << (bits * j);
-    for (int64_t k = 0; k < bits; ++k) out[c * bits + k] = static_cast<uint8_t>(word >> (8 * k));
+  } else if (bits == 3) {
+    pack_stream(codes, d, 2, 0, out);
+    pack_stream(codes, d, 1, 2, out + d / 4);
+  } else {
+    pack_stream(codes, d, bits, 0, out);
   }
 }
 
