@@ -12,7 +12,14 @@
 #                                       # capture stalled at 960 tokens on 2026-11-28), every
 #                                       # thread's stack dumped each 30 s until its event loop
 #                                       # starts (SGLANG_EVICT_STALL_DUMP_S); STALL_TIMEOUT_S
+#   bash scripts/gpu_check.sh tier-fast # one lease's tier check in at most 8 minutes, in order:
+#                                       # the tier kernels (both bodies) against a copy, the tier
+#                                       # in CUDA graphs (test), its decode step against plain
+#                                       # SGLang, the repack bench; each file written as its step ends
 #   bash scripts/gpu_check.sh tests benches engine   # several parts, in order, one set-up
+#
+# GPU_CHECK_DRY_RUN=1 prints each step of tier-fast (its limit, its file, its command)
+# instead of running it, and sets nothing up: what tests/test_gpu_preflight.py reads.
 #
 # Time limits per step (seconds): TESTS_TIMEOUT_S, ENGINE_TESTS_TIMEOUT_S (0 skips the
 # GPU-backend engine test), TIER_TESTS_TIMEOUT_S, BENCH_TIMEOUT_S, ENGINE_TIMEOUT_S
@@ -25,9 +32,22 @@
 #   .whl/: the project's runtime dependencies the image lacks, as cp312 wheels (docs/performance.md, "On a GPU")
 # Logs and result files go to $OUT (or /tmp/gpu_check). Each part is bounded by `timeout`.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: gpu_check.sh tests|kernels|benches|engine|tier|capture|stall ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_check.sh tests|kernels|benches|engine|tier|tier-fast|capture|stall ..." >&2; exit 2; }
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
+dry=${GPU_CHECK_DRY_RUN:-0}
+# step SECONDS FILE CMD...: CMD bounded by SECONDS, its output streamed into $out/FILE
+# (there as the step runs, whatever cuts it); under GPU_CHECK_DRY_RUN only printed.
+step() {
+  local limit=$1 file=$2
+  shift 2
+  if [ "$dry" = 1 ]; then
+    echo "step $limit $file $*"
+    return 0
+  fi
+  timeout "$limit" "$@" 2>&1 | tee "$out/$file"
+}
+if [ "$dry" != 1 ]; then
 if [ -f .gpu_carry/env.sh ]; then
   . .gpu_carry/env.sh
 fi
@@ -59,6 +79,7 @@ save_triton_cache() {
 trap save_triton_cache EXIT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, sglang; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__)"
+fi
 
 kernel_benches() {
   local t=${BENCH_TIMEOUT_S:-240}
@@ -100,6 +121,28 @@ tier)
   fi
   cp "$logs/engine_tier.json" "$out/" 2>/dev/null
   tar -C "$logs" -czf "$out/engine_tier-logs.tar.gz" .
+  ;;
+tier-fast)
+  # 450 s of steps (TIER_FAST_*_S) and about 30 s of set-up: 8 minutes after the machine
+  # starts. The Triton cache is carried in and out (above); the engines' flags pass
+  # SGLang's preflight on CPU first (tests/test_gpu_preflight.py).
+  model=${MODEL:-/tmp/llama_rand}
+  if [ "$dry" != 1 ] && [ ! -f "$model/config.json" ]; then
+    python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-} || exit 1
+  fi
+  started=$(date +%s)
+  # 1. the attention bodies (grouped, words and their variants) and the quantizer
+  step "${TIER_FAST_KERNELS_S:-100}" bench_tier.txt python3 benches/bench_tier.py
+  # 2. the tier's merge inside SGLang's decode CUDA graphs: graphs on = graphs off
+  step "${TIER_FAST_TEST_S:-140}" pytest_gpu_tier.log python3 -m pytest -q -p no:cacheprovider \
+    -n 0 -ra "tests/test_engine_tier_triton.py::test_the_tier_merges_inside_cuda_graph_replays_on_a_gpu"
+  # 3. the decode step: plain SGLang, then the tier (3 bits) paired with eviction off
+  step "${TIER_FAST_ENGINE_S:-150}" engine_tier.txt python3 benches/engine_eviction.py \
+    --model "$model" --out "$out/engine_tier.json" --modes plain,on+tier --repeats 1 --paired \
+    --out-len 512
+  # 4. the repack kernel against a device copy
+  step "${TIER_FAST_REPACK_S:-60}" bench_repack.txt python3 benches/bench_repack.py
+  [ "$dry" = 1 ] || echo "tier-fast: $(( $(date +%s) - started )) s of steps"
   ;;
 stall)
   # One tier engine, prefill graphs on, one short repeat; its log (with the stack dumps)
@@ -166,7 +209,7 @@ engine)
   tar -C "$logs" -czf "$out/$name-logs.tar.gz" .
   ;;
 *)
-  echo "unknown part $part: tests, kernels, benches, engine, tier or capture" >&2
+  echo "unknown part $part: tests, kernels, benches, engine, tier, tier-fast, capture or stall" >&2
   exit 2
   ;;
 esac

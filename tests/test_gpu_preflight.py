@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +97,41 @@ def test_preflight_names_a_model_it_cannot_read_and_an_fp8_pool_it_sizes(tmp_pat
         1, engine_args={**engine_args, "kv_cache_dtype": "fp8_e4m3"}, **spec.policy()
     )
     assert problems_of(fp8) == []
+
+
+GPU_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+TIER_FAST_SETUP_S = 30  # pip's editable install and the Triton cache's restore, measured: ~20 s
+
+
+def test_tier_fast_fits_a_lease_in_order_and_its_engines_would_start(tmp_path):
+    """``gpu_check.sh tier-fast`` as a lease would run it, printed (``GPU_CHECK_DRY_RUN``)
+    rather than run: four steps in the issue's order, within 8 minutes with the set-up,
+    each streaming its own file; its test exists and its engines pass the preflight."""
+    from sglang_evict.models.engine_model import ensure_engine_model
+
+    model = str(ensure_engine_model(variant="head_dim64"))
+    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": str(tmp_path), "MODEL": model}
+    run = subprocess.run(
+        ["bash", str(GPU_CHECK), "tier-fast"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=GPU_CHECK.parents[1],
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    steps = [line.split() for line in run.stdout.splitlines() if line.startswith("step ")]
+    files = [words[2] for words in steps]
+    assert files == ["bench_tier.txt", "pytest_gpu_tier.log", "engine_tier.txt", "bench_repack.txt"]
+    assert sum(int(words[1]) for words in steps) + TIER_FAST_SETUP_S <= 8 * 60
+    commands = {words[2]: words[3:] for words in steps}
+    for name in ("bench_tier.txt", "bench_repack.txt"):
+        assert (GPU_CHECK.parents[1] / commands[name][1]).is_file(), commands[name]
+    (node,) = [arg for arg in commands["pytest_gpu_tier.log"] if "::" in arg]
+    path, _, test = node.partition("::")
+    assert f"def {test}(" in (GPU_CHECK.parents[1] / path).read_text()
+    bench = load("engine_eviction")
+    argv = commands["engine_tier.txt"][2:]  # after "python3 benches/engine_eviction.py"
+    assert argv[argv.index("--model") + 1] == model
+    assert bench.main([*argv, "--preflight"]) == 0
+    assert not list(tmp_path.iterdir())  # printed only: nothing ran, nothing written
