@@ -81,6 +81,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, sglang; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__)"
 fi
 
+# $MODEL (default /tmp/llama_rand) into $model, made with MODEL_ARGS' shape when missing
+# (not under GPU_CHECK_DRY_RUN).
+random_model() {
+  model=${MODEL:-/tmp/llama_rand}
+  [ "$dry" = 1 ] || [ -f "$model/config.json" ] \
+    || python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-}
+}
+
 kernel_benches() {
   local t=${BENCH_TIMEOUT_S:-240}
   # both attention bodies (grouped, words) and their variants, on both shapes
@@ -106,10 +114,7 @@ tier)
     2>&1 | tee "$out/pytest_gpu_tier.log"
   # Its decode step: plain SGLang in one engine, the tier (3 bits, eager passes) in
   # another, alternating with eviction off per request in that one (--paired).
-  model=${MODEL:-/tmp/llama_rand}
-  if [ ! -f "$model/config.json" ]; then
-    python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-} || exit 1
-  fi
+  random_model || exit 1
   logs=$(mktemp -d)
   # no engine starts unless every mode's would (a failed preflight skips the bench)
   # shellcheck disable=SC2086
@@ -126,10 +131,7 @@ tier-fast)
   # 450 s of steps (TIER_FAST_*_S) and about 30 s of set-up: 8 minutes after the machine
   # starts. The Triton cache is carried in and out (above); the engines' flags pass
   # SGLang's preflight on CPU first (tests/test_gpu_preflight.py).
-  model=${MODEL:-/tmp/llama_rand}
-  if [ "$dry" != 1 ] && [ ! -f "$model/config.json" ]; then
-    python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-} || exit 1
-  fi
+  random_model || exit 1
   started=$(date +%s)
   # 1. the attention bodies (grouped, words and their variants) and the quantizer
   step "${TIER_FAST_KERNELS_S:-100}" bench_tier.txt python3 benches/bench_tier.py
@@ -147,10 +149,7 @@ tier-fast)
 stall)
   # One tier engine, prefill graphs on, one short repeat; its log (with the stack dumps)
   # comes back whether it starts or the limit cuts it.
-  model=${MODEL:-/tmp/llama_rand}
-  if [ ! -f "$model/config.json" ]; then
-    python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-} || exit 1
-  fi
+  random_model || exit 1
   logs=$(mktemp -d)
   SGLANG_EVICT_STALL_DUMP_S=${SGLANG_EVICT_STALL_DUMP_S:-30} \
     timeout "${STALL_TIMEOUT_S:-240}" python3 benches/engine_eviction.py --model "$model" \
@@ -190,10 +189,7 @@ engine)
   # every step and with auto grouping, one engine each, two repeats, each evicting
   # engine also generating with eviction off per request, alternating (--paired): the
   # decode-step goal with and without grouping, measured within one engine).
-  model=${MODEL:-/tmp/llama_rand}
-  if [ ! -f "$model/config.json" ]; then
-    python3 scripts/make_random_llama.py "$model" ${MODEL_ARGS:-} || exit 1
-  fi
+  random_model || exit 1
   name=${NAME:-engine_eviction}
   logs=$(mktemp -d)
   # no engine starts unless every mode's would (a failed preflight skips the bench)
