@@ -89,7 +89,7 @@ def smoke_table(script: str, *extra: str) -> tuple[str, str]:
 
 def test_repack_bench_runs_its_smoke_configuration_on_cpu():
     header, row = smoke_table("bench_repack.py")
-    assert "tri/copy" in header and len(row.split()) == 8
+    assert "tri/copy" in header and "launch/copy" in header and len(row.split()) == 10
 
 
 def test_tier_bench_runs_its_smoke_configuration_on_cpu():

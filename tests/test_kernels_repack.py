@@ -19,7 +19,7 @@ import torch
 from compactor_service.compactor import InProcessCompactor
 from sglang_evict.passes.planner import fresh_pages_needed, plan_compaction
 from sglang_evict_kernels import repack_kv_reference, repack_kv_triton
-from sglang_evict_kernels.repack import _launch
+from sglang_evict_kernels.repack import _launch, _row_bytes, launch_shape
 from tests.kernel_device import INTERPRETED, on_kernel_device
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]  # uint8: fp8 storage
@@ -120,10 +120,16 @@ def test_planner_plans_match_the_reference(page_size, strategy):
 def test_chained_moves_are_staged_so_no_destination_is_written_before_it_is_read():
     src, dst = torch.tensor([1, 2, 3, 4]), torch.tensor([2, 3, 4, 5])  # each dst is a src
     assert_same_as_reference(*make_buffers(8), src, dst)
+    # A chain longer than one program's moves: a program loads all its rows before it
+    # stores any, so the hazard is between programs.
+    k, v = make_buffers(8)
+    moves = 2 * launch_shape(_row_bytes(k[0]), 8)["MOVES"] + 3
+    src, dst = torch.arange(1, moves + 1), torch.arange(2, moves + 2)
+    assert_same_as_reference(*make_buffers(moves + 3), src, dst)
     if not INTERPRETED:
         return  # in parallel, whether a read beats the write of its row is a race
-    # The hazard is real: one unstaged pass in move order reads already-overwritten rows.
-    k, v = make_buffers(8)
+    # The hazard is real: one unstaged pass in program order reads overwritten rows.
+    k, v = make_buffers(moves + 3)
     k_ref, v_ref = [b.clone() for b in k], [b.clone() for b in v]
     repack_kv_reference(k_ref, v_ref, src, dst)
     buffers = [*k, *v]
@@ -164,3 +170,33 @@ def test_in_process_compactor_runs_the_triton_kernel_when_asked():
     result = InProcessCompactor(k, v, kernel="triton").compact([plan])
     assert result.kernel == "triton" and result.slots_moved == plan.num_moves
     assert all(same_bits(a, b) for a, b in zip((*k, *v), (*k_ref, *v_ref), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "dtype"),
+    [
+        (1, 5, torch.uint8),  # 5-byte rows: one byte a word, no vectors
+        (3, 6, torch.bfloat16),  # 36-byte rows: 4-byte words, no vectors
+        (2, 72, torch.bfloat16),  # 288-byte rows: vectors, a masked tile column
+        (2, 2304, torch.float32),  # 18 KiB rows: three chunks of 8 KiB, the last partial
+    ],
+)
+def test_rows_of_any_size_move_bit_for_bit(heads, head_dim, dtype):
+    num_moves = 9
+    slots = torch.randperm(2 * num_moves + 3, generator=torch.Generator().manual_seed(head_dim))
+    src, dst = slots[:num_moves], slots[num_moves : 2 * num_moves]
+    k, v = make_buffers(2 * num_moves + 3, heads=heads, head_dim=head_dim, dtype=dtype)
+    assert_same_as_reference(k, v, src, dst)
+
+
+def test_a_plan_padded_with_self_moves_moves_its_real_rows_exactly():
+    # the device plan's launch: self-moves (slot 0 -> 0) pad a fixed-size plan, and the
+    # launch skips them; the real moves among them, in two programs, must still land
+    k, v = make_buffers(40, head_dim=64)
+    src = on_kernel_device(torch.tensor([5, 0, 7, 0, 0, 9] + [0] * 40))
+    dst = on_kernel_device(torch.tensor([20, 0, 21, 0, 0, 22] + [0] * 40))
+    k_ref, v_ref = [b.clone() for b in k], [b.clone() for b in v]
+    repack_kv_reference(k_ref, v_ref, torch.tensor([5, 7, 9]), torch.tensor([20, 21, 22]))
+    buffers = [*k, *v]
+    _launch(buffers, buffers, src, dst, skip_self=True)
+    assert all(same_bits(a, b) for a, b in zip(buffers, (*k_ref, *v_ref), strict=True))
