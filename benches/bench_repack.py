@@ -11,10 +11,10 @@ For each (row bytes, moved slots, layers) it times, on the same buffers:
 
 and prints bytes moved (read + written) per second and the ratios triton / copy,
 launch / copy and triton / per-layer. ``scripts/repack_kernel_sass.py`` predicts the
-launch's ratio from its sm_90 code without a GPU. Targets (issue): >= 0.92 of copy at 2 KiB rows, >= 0.75 at 128 B
-rows, >= 3x per-layer. Configurations whose buffers exceed --max-gib are listed as
-skipped. ``--smoke`` runs one tiny configuration on CPU (Triton's interpreter) to check
-the script itself; its figures mean nothing.
+launch's ratio from its sm_90 code without a GPU. Targets: >= 0.92 of copy at 2 KiB
+rows, >= 0.75 at 128 B rows, >= 3x per-layer. Configurations whose buffers exceed
+--max-gib are listed as skipped. ``--smoke`` runs one tiny configuration on CPU
+(Triton's interpreter) to check the script itself; its figures mean nothing.
 
     python3 benches/bench_repack.py                # on the GPU machine
 """
@@ -103,7 +103,8 @@ def main() -> None:
         need_gib = 8 * moves * row_bytes * layers / 2**30
         if need_gib > args.max_gib:
             print(
-                f"{row_bytes:>6}{moves:>8}{layers:>7}  skipped: needs {need_gib:.0f} GiB", flush=True
+                f"{row_bytes:>6}{moves:>8}{layers:>7}  skipped: needs {need_gib:.0f} GiB",
+                flush=True,
             )
             continue
         rates = bench_one(row_bytes, moves, layers, device)

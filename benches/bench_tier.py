@@ -45,8 +45,9 @@ SHAPES = {
 # The attention kernel's launch settings besides its defaults (the `grouped` body,
 # splits from the GPU's size, NUM_WARPS): one split; 4 warps; replayed from a CUDA graph
 # (no host work); then the `words` body (tier_attention.KERNELS) with its defaults
-# (half-precision products), with tf32 products, with 4 warps, and with 16 splits (8x
-# the programs: does occupancy bind?).
+# (half-precision products, one pipelining stage), with tf32 products, with 4 warps,
+# with 16 splits (8x the programs: does occupancy bind?) and with Triton's 3 stages
+# (does the prefetch pay for its spills?).
 VARIANTS = {
     "1 split": {"splits": 1},
     "4 warps": {"num_warps": 4},
@@ -55,6 +56,7 @@ VARIANTS = {
     "words tf32": {"kernel": "words", "precision": "tf32"},
     "words w4": {"kernel": "words", "num_warps": 4},
     "words s16": {"kernel": "words", "splits": 16},
+    "words st3": {"kernel": "words", "num_stages": 3},
 }
 # Bodies whose compiled resources (registers, spills, shared memory) are printed.
 RESOURCES = {"grouped": {}, "words": {"kernel": "words"}}

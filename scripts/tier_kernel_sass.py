@@ -2,8 +2,9 @@
 one: registers, shared memory, spills and the SASS instructions of one group's step.
 
 Triton compiles for a named architecture with the ``ptxas`` its wheel carries, so the
-machine code a GPU would run can be read here. What a step of the group loop issues
-predicts what the kernel can read: one group of one KV head (32 tokens, keys and
+machine code a GPU would run can be read here, compiled as a launch compiles it (every
+tensor 16-byte aligned, each body's ``tier_attention.NUM_STAGES``). What a step of the
+group loop issues predicts what the kernel can read: one group of one KV head (32 tokens, keys and
 values, scales) is ``group_bytes``; a warp issues ``loop`` instructions per group, a
 program of ``w`` warps ``w x loop``, and an SM issues about 4 warp-instructions per
 clock at best. The kernel is bound by issue, not by memory, while
@@ -43,11 +44,12 @@ GROUP_TOKENS = 32
 VALUE_GROUP_CHANNELS = 32
 OUTLIERS = 3
 SCALE_BYTES = 2  # float16 scales
-# (name, jit function attribute, extra constexprs, query heads padded to >= 16)
+# (name, jit function attribute, extra constexprs, query heads padded to >= 16, the
+# launcher's kernel name: its pipelining stages, tier_attention.NUM_STAGES)
 BODIES = (
-    ("grouped", "attention_kernel", {}, False),
-    ("words", "attention_words_kernel", {"PRECISION": "fp16", "NP": 16}, True),
-    ("words tf32", "attention_words_kernel", {"PRECISION": "tf32", "NP": 16}, True),
+    ("grouped", "attention_kernel", {}, False, "grouped"),
+    ("words", "attention_words_kernel", {"PRECISION": "fp16", "NP": 16}, True, "words"),
+    ("words tf32", "attention_words_kernel", {"PRECISION": "tf32", "NP": 16}, True, "words"),
 )
 
 
@@ -90,6 +92,7 @@ def compile_body(fn, *, bits, shape, warps, extra, pad16, arch, stages=3):
         "S": 2,
         **extra,
     }
+    pointers = {k for k, v in signature.items() if v.startswith("*")}
     for name in constants:
         signature[name] = "constexpr"
     names = list(signature)
@@ -97,6 +100,8 @@ def compile_body(fn, *, bits, shape, warps, extra, pad16, arch, stages=3):
         fn=fn,
         signature=signature,
         constexprs={(names.index(k),): v for k, v in constants.items()},
+        # what a launch specialises on: tensors 16-byte aligned, as torch allocates them
+        attrs={(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if k in pointers},
     )
     return triton.compile(
         source,
@@ -218,13 +223,14 @@ def group_bytes(bits: int, head_dim: int) -> int:
 
 
 def rows_for(args):
-    from sglang_evict_kernels import tier_jit
+    from sglang_evict_kernels import tier_attention, tier_jit
 
     for shape_name in args.shape:
         shape = SHAPES[shape_name]
         for bits in args.bits:
             nbytes = group_bytes(bits, shape[2])
-            for name, attr, extra, pad16 in BODIES:
+            for name, attr, extra, pad16, launcher in BODIES:
+                stages = tier_attention.NUM_STAGES[launcher] or 3
                 for warps in args.warps:
                     compiled = compile_body(
                         getattr(tier_jit, attr),
@@ -234,6 +240,7 @@ def rows_for(args):
                         extra=extra,
                         pad16=pad16,
                         arch=args.arch,
+                        stages=stages,
                     )
                     loop = group_loop(compiled)
                     per_group = len(loop) * warps
@@ -242,6 +249,7 @@ def rows_for(args):
                         "bits": bits,
                         "body": name,
                         "warps": warps,
+                        "stages": stages,
                         **resources(compiled),
                         "loop": len(loop),
                         "per_group": per_group,

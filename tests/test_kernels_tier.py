@@ -339,6 +339,12 @@ def test_the_words_kernel_refuses_what_it_cannot_run_by_name():
         tier_attention_triton(q, store, table, counts, fmt, precision="fp16")
     with pytest.raises(ValueError, match="kernel 'fast'"):
         tier_attention_triton(q, store, table, counts, fmt, kernel="fast")
+    # value groups narrower than a word's channels: the words body's pair order spans 16
+    fmt = TierFormat(bits=2, group_tokens=16, head_dim=64, value_group_channels=8)
+    k, v = kv(2, fmt)
+    store = quantize_groups_reference(k, v, fmt)
+    with pytest.raises(ValueError, match=r"16 channels a word.*8 channels.*kernel='grouped'"):
+        tier_attention_triton(q, store, table, counts, fmt, kernel="words")
 
 
 def test_codes_that_do_not_start_on_a_word_are_refused():

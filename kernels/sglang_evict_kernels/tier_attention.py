@@ -214,10 +214,13 @@ NUM_WARPS = 2
 #   grouped  codes unpacked through [G, D / 32 * bits, 32 / bits] word tiles and
 #            reshapes, products as three-dimensional broadcasts; 0.08-0.13 of a copy's
 #            rate on an H200 (in the byte layout before whole-code words)
-#   words    a row's words loaded once, the keys' scale and zero folded into the
-#            query, both products tl.dot over the query heads padded to 16 (needs
-#            groups of 16 tokens or more), outlier tokens a tile of their own; not yet
-#            run on a GPU (scripts/tier_kernel_sass.py counts it)
+#   words    a row's words loaded once and decoded two codes at a time (channels in
+#            pair order), the keys' scale and zero folded into the query, both
+#            products tl.dot over the query heads padded to 16 (needs groups of 16
+#            tokens or more, value groups of a word's channels), outlier tokens a tile
+#            of their own; 0.59 / 0.58 / 0.43 / 0.26 warp-instructions per byte at
+#            2 / 3 / 4 / 8 bits on the Llama-8B layer shape, 2 warps, 1 stage
+#            (scripts/tier_kernel_sass.py; not yet run on a GPU)
 KERNELS = ("grouped", "words")
 # The words body's products: "fp16" (half-precision inputs, float32 sums: about 1e-3 of
 # the output's scale, FlashAttention's own precision), or tl.dot's float32 input
@@ -226,9 +229,17 @@ WORDS_PRECISIONS = ("fp16", "tf32x3", "tf32", "ieee")
 WORDS_DEFAULT_PRECISION = "fp16"
 # What each precision holds the reference to (absolute and relative, output and lse),
 # tested under the interpreter (tests/test_kernels_tier.py); half-precision products
-# came within 2.5e-3 there (2-8 bits at head dims 64 and 128, 3 bits at 256).
+# came within 3.3e-3 there (2-8 bits at head dims 64 and 128, 3 bits at 256; the most
+# at 8 bits, head dim 64).
 WORDS_TOLERANCE = {"fp16": 5e-3, "tf32x3": 1e-5, "tf32": 5e-3, "ieee": 1e-5}
 WORDS_MIN_GROUP_TOKENS = 16
+# Software-pipelining stages of each body's group loop (Triton's num_stages; None: its
+# default, 3, what the H200 ran `grouped` with). Compiled as a launch compiles it
+# (16-byte aligned tensors), `words` with 3 stages stages its loads through shared
+# memory with asynchronous copies, is held to 168 registers and spills 8-16 bytes at 2
+# warps; with 1 it spills nothing (scripts/tier_kernel_sass.py, a static count for
+# sm_90; a GPU decides whether the prefetch was worth more: bench_tier's "words st3").
+NUM_STAGES = {"grouped": None, "words": 1}
 # Rows of a group's outlier tile in the words body: tl.dot's least dimension.
 WORDS_MIN_OUTLIER_ROWS = 16
 
@@ -254,11 +265,13 @@ def tier_attention_triton(
     kernel: str = "grouped",
     precision: str | None = None,
     stats: dict | None = None,
+    num_stages: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``tier_attention_reference``'s result from the packed bytes: one program per
     (request, KV head, split) reads each group once for all the KV head's query heads;
     with more than one split a second launch merges the splits. ``splits`` defaults to
-    ``_splits_for``'s choice; ``num_warps`` to ``NUM_WARPS``; ``kernel`` is one of
+    ``_splits_for``'s choice; ``num_warps`` to ``NUM_WARPS``, ``num_stages`` to the
+    body's ``NUM_STAGES``; ``kernel`` is one of
     ``KERNELS`` (``precision``: the words body's products, ``WORDS_PRECISIONS``). A ``stats``
     dict receives the compiled attention kernel's registers per thread, spilled
     registers and shared memory where Triton reports them (a GPU; not the
@@ -277,6 +290,13 @@ def tier_attention_triton(
                 f"{WORDS_MIN_GROUP_TOKENS} tokens (tl.dot); this tier's are "
                 f"{fmt.group_tokens}: use kernel='grouped'"
             )
+        span = 16 if fmt.bits == 3 else 32 // fmt.bits
+        if fmt.value_group_channels % span:
+            raise ValueError(
+                f"the words tier attention kernel decodes {span} channels a word at "
+                f"{fmt.bits} bits and needs value groups of a multiple of them; this "
+                f"tier's are {fmt.value_group_channels} channels: use kernel='grouped'"
+            )
     elif precision is not None:
         raise ValueError(f"the {kernel} tier attention kernel takes no precision")
     sm_scale = 1.0 / math.sqrt(fmt.head_dim) if sm_scale is None else sm_scale
@@ -294,6 +314,9 @@ def tier_attention_triton(
     lse_part = lse if s == 1 else torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
     from sglang_evict_kernels import tier_jit
 
+    stages = NUM_STAGES[kernel] if num_stages is None else num_stages
+    if stages is not None and stages < 1:
+        raise ValueError(f"num_stages must be at least 1; got {stages}")
     if kernel == "grouped":
         body, extra = tier_jit.attention_kernel, {}
     else:
@@ -319,6 +342,7 @@ def tier_attention_triton(
         S=s,
         num_warps=NUM_WARPS if num_warps is None else num_warps,
         **extra,
+        **({} if stages is None else {"num_stages": stages}),
     )
     if stats is not None:
         stats.update(kernel_resources(compiled))

@@ -58,18 +58,53 @@ def shifted_codes(words, row_words, G: tl.constexpr, D: tl.constexpr, B: tl.cons
 
 
 @triton.jit
-def load_row_halves(words, row_words, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+def pair_channels(d, BITS: tl.constexpr):
+    """The channel each position of ``load_row_halves``'s tile holds: within a word of
+    ``CPW`` codes, positions ``2k`` and ``2k + 1`` hold codes ``k`` and ``k + CPW / 2``
+    (the low and high half of one 32-bit pair); ``CPW``: 32 / bits, at 3 bits the 2-bit
+    plane's 16."""
+    CPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
+    return (d // CPW) * CPW + (d % 2) * (CPW // 2) + (d % CPW) // 2
+
+
+@triton.jit
+def pair_order(x, R: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """``x`` ``[R, D]`` in natural channel order, rearranged into ``pair_channels``
+    order (within each word's ``CPW`` channels: halves interleaved)."""
+    CPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
+    x = tl.reshape(x, (R, D // CPW, 2, CPW // 2))
+    return tl.reshape(tl.permute(x, (0, 1, 3, 2)), (R, D))
+
+
+@triton.jit
+def load_row_halves(words, row_words, magic, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     """float16 codes ``[G, D]`` (exact: below 256) of rows starting at the 32-bit words
-    ``row_words``, by the mantissa trick int4 kernels use: a code ORed into the low
-    mantissa bits of 1024.0 is 1024 + code as a half, so one logical operation and a
-    half-precision subtraction replace an integer-to-float conversion."""
+    ``row_words``, with channels in ``pair_channels`` order, decoded two at a time by the
+    mantissa trick int4 kernels use: a word shifted by ``k`` codes and masked with
+    ``mask | mask << 16`` holds codes ``k`` and ``k + CPW / 2`` in its two halves; ORed
+    with ``0x64006400`` the halves are 1024 + code as half-precision values, and one
+    paired subtraction leaves the codes. At 3 bits the high bits of a 2-bit word's 16
+    codes (16 bits of the 1-bit plane's word) are first spread to the halves' bit 2,
+    once a word, so that a pair takes two shifts and two logical operations."""
+    CPW: tl.constexpr = 16 if BITS == 3 else 32 // BITS
+    HALF: tl.constexpr = CPW // 2
+    NW: tl.constexpr = D // CPW
+    j = tl.arange(0, NW)
+    k = tl.arange(0, HALF)
     if BITS == 3:
-        low = shifted_codes(words, row_words, G, D, 2)
-        high = shifted_codes(words, row_words + D // 16, G, D, 1)
-        x = (low & 3) | ((high << 2) & 4)
+        low = tl.load(words + row_words[:, None] + j[None, :])  # [G, NW]: 16 codes a word
+        high = tl.load(words + row_words[:, None] + D // 16 + (j // 2)[None, :])
+        high = (high >> ((j % 2) * 16)[None, :]) & 0xFFFF  # this word's 16 high bits
+        spread = ((high & 0xFF) << 2) | ((high & 0xFF00) << 10)  # bits k + 2, k + 18
+        top = ((spread[:, :, None] >> k[None, None, :]) & 0x00040004) | magic
+        x = ((low[:, :, None] >> (2 * k)[None, None, :]) & 0x00030003) | top
     else:
-        x = shifted_codes(words, row_words, G, D, BITS) & ((1 << BITS) - 1)
-    return (x | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        w = tl.load(words + row_words[:, None] + j[None, :])  # [G, NW]
+        x = (w[:, :, None] >> (BITS * k)[None, None, :]) & (((1 << BITS) - 1) * 0x10001)
+        x = x | magic
+    lo = x.to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (G, D)) - 1024.0
 
 
 @triton.jit
@@ -380,8 +415,11 @@ def attention_words_kernel(
     NP: tl.constexpr,  # outlier rows a group, padded to a power of two >= 16 (tl.dot)
 ):
     """``attention_kernel``'s result in fewer instructions a code: a row's 32-bit words
-    each loaded once (whole codes in each: tier_format's layout), the keys' per-channel
-    scale and zero folded into the query once a group,
+    each loaded once (whole codes in each: tier_format's layout) and decoded two codes
+    an operation (``load_row_halves``: the tiles' channels in ``pair_channels`` order,
+    so the query, the keys' scales and the output are read and written in that order,
+    and the outliers' values rearranged into it), the keys' per-channel scale and zero
+    folded into the query once a group,
 
         q . (code * scale + zero) = (q * scale) . code + q . zero,
 
@@ -396,15 +434,18 @@ def attention_words_kernel(
     P: tl.constexpr = D * BITS // 8
     NB: tl.constexpr = D // C
     g = tl.arange(0, G)
-    d = tl.arange(0, D)
+    # the channel at each position of a decoded tile (load_row_halves): every per-channel
+    # operand is read in that order, and the output written back through it
+    natural = tl.arange(0, D)
+    d = pair_channels(natural, BITS)
     qh = tl.arange(0, QB)
     q_ok = qh < QPK
     heads = h * QPK + qh
     query = load_queries(q, b, heads, q_ok, d, HQ, D) * sm_scale  # [QB, D]
+    # the outlier tokens' keys are read in their stored (natural) channel order
+    query_natural = load_queries(q, b, heads, q_ok, natural, HQ, D) * sm_scale
     if PRECISION == "fp16":
-        query_dot = query.to(tl.float16)
-    else:
-        query_dot = query
+        query_natural = query_natural.to(tl.float16)
     k_words = k_codes.to(tl.pointer_type(tl.int32))
     v_words = v_codes.to(tl.pointer_type(tl.int32))
     row_words = g * (H * (P // 4))  # [G]: a token's row, in words from its group's first
@@ -415,6 +456,10 @@ def attention_words_kernel(
     total = tl.zeros([QB], dtype=tl.float32)
     acc = tl.zeros([QB, D], dtype=tl.float32)
     start, stop = split_range(num_groups, b, s, S)
+    # 0x64006400 (1024.0 in both halves) as a value the compiler cannot fold into an
+    # immediate (W >= 0 always): in a register, a pair's mask and this OR fuse into one
+    # three-input logical operation
+    magic = tl.where(W >= 0, 0x64006400, 0)
     for i in range(start, stop):
         slot = tl.load(group_table + b * W + i).to(tl.int64)
         first = (slot * G * H + h) * (P // 4)
@@ -422,7 +467,7 @@ def attention_words_kernel(
         ks = tl.load(k_scale + (slot * H + h) * D + d).to(tl.float32)
         kz = tl.load(k_zero + (slot * H + h) * D + d).to(tl.float32)
         bias = tl.sum(query * kz[None, :], axis=1)  # [QB]
-        kc = load_row_halves(k_words + first, row_words, G, D, BITS)  # [G, D] float16
+        kc = load_row_halves(k_words + first, row_words, magic, G, D, BITS)  # [G, D] float16
         if PRECISION == "fp16":
             qk = (query * ks[None, :]).to(tl.float16)
             scores = tl.dot(qk, tl.trans(kc)) + bias[:, None]  # [QB, G]
@@ -435,11 +480,15 @@ def attention_words_kernel(
             at = tl.load(out_index + o_row, mask=o_ok, other=-1).to(tl.int32)
             is_out = tl.max((g[:, None] == at[None, :]).to(tl.int32), axis=1) > 0  # [G]
             scores = tl.where(is_out[None, :], float("-inf"), scores)
-            ok = tl.load(out_k + o_row[:, None] * D + d[None, :], mask=o_ok[:, None], other=0.0)
+            ok = tl.load(
+                out_k + o_row[:, None] * D + natural[None, :], mask=o_ok[:, None], other=0.0
+            )
             if PRECISION == "fp16":
-                o_scores = tl.dot(query_dot, tl.trans(ok.to(tl.float16)))  # [QB, NP]
+                o_scores = tl.dot(query_natural, tl.trans(ok.to(tl.float16)))  # [QB, NP]
             else:
-                o_scores = tl.dot(query, tl.trans(ok.to(tl.float32)), input_precision=PRECISION)
+                o_scores = tl.dot(
+                    query_natural, tl.trans(ok.to(tl.float32)), input_precision=PRECISION
+                )
             o_scores = tl.where(o_ok[None, :], o_scores, float("-inf"))
             m_new = tl.maximum(m, tl.maximum(tl.max(scores, axis=1), tl.max(o_scores, axis=1)))
         else:
@@ -449,7 +498,7 @@ def attention_words_kernel(
         total = total * alpha + tl.sum(p, axis=1)
         # values: dequantized per (token, block of C channels), in half precision where
         # the scales are stored in it
-        vc = load_row_halves(v_words + first, row_words, G, D, BITS)
+        vc = load_row_halves(v_words + first, row_words, magic, G, D, BITS)
         v_base = (slot * G * H + h) * NB
         vs = tl.load(v_scale + v_base + blocks)  # [G, NB]
         vz = tl.load(v_zero + v_base + blocks)
@@ -464,7 +513,10 @@ def attention_words_kernel(
             else:
                 step = tl.dot(p, v, input_precision=PRECISION)
         if N_OUT > 0:
-            ov = tl.load(out_v + o_row[:, None] * D + d[None, :], mask=o_ok[:, None], other=0.0)
+            ov = tl.load(
+                out_v + o_row[:, None] * D + natural[None, :], mask=o_ok[:, None], other=0.0
+            )
+            ov = pair_order(ov, NP, D, BITS)  # into the accumulator's channel order
             po = tl.exp(o_scores - m_new[:, None])
             total = total + tl.sum(po, axis=1)
             if PRECISION == "fp16":
