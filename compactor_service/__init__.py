@@ -11,6 +11,7 @@ Imports only the kernels package (``sglang_evict_kernels``), never ``sglang`` or
     leases        who may move which pages (fencing tokens, pins), in-process
     redis_leases  the same lease store on Redis
     shared_pool   KV buffers two processes map (tmpfs on CPU)
+    shared_arena  the quantized tier's arena two processes map, its layout checked
     cuda_ipc      CUDA IPC export and import of KV buffers (GPU)
     servicer      the gRPC transport: a thin servicer, listeners, health, drain
     server        the sidecar process: flags, start-up checks, supervision

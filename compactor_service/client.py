@@ -58,11 +58,17 @@ from compactor_service.fence import ClientFence
 from compactor_service.health import check_health
 from compactor_service.plan import CompactionPlan, PlanError
 from compactor_service.redis_leases import LeaseStoreUnavailable
+from compactor_service.shared_arena import ArenaLayout
 from compactor_service.shared_pool import DEVICE_CPU, PoolLayout
 from compactor_service.tls import open_channel
 from compactor_service.v1 import compactor_pb2 as pb
 from compactor_service.v1 import compactor_pb2_grpc as pb_grpc
-from compactor_service.wire import claim_to_proto, layout_to_proto, plan_to_proto
+from compactor_service.wire import (
+    arena_layout_to_proto,
+    claim_to_proto,
+    layout_to_proto,
+    plan_to_proto,
+)
 
 logger = logging.getLogger("sglang_evict.compactor.client")
 FALLBACK_MODES = ("inprocess", "skip")
@@ -143,7 +149,8 @@ class GrpcCompactor:
     (``Heartbeat``, every third of the lease) so an idle scheduler keeps its pool.
     ``credentials``: TLS for a TCP target (``tls.channel_credentials``). ``fence_dir``:
     the compactor's pool directory, where the pool's fence file is created (default: the
-    directory of a CPU pool's file; a CUDA pool without it has no fence).
+    directory of a CPU pool's file; a CUDA pool without it has no fence). ``arena``: the
+    tier arena (``shared_arena``) registered after the pool, every time it registers.
     """
 
     def __init__(
@@ -156,6 +163,7 @@ class GrpcCompactor:
         client_id: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         fence_dir: str | os.PathLike | None = None,
+        arena: ArenaLayout | None = None,
     ) -> None:
         from opentelemetry.instrumentation.grpc import client_interceptor
         from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
@@ -174,6 +182,8 @@ class GrpcCompactor:
         self.epoch: int | None = None
         self.limits: CallLimits | None = None
         self._layout_proto = layout_to_proto(layout)
+        self.arena = arena
+        self._arena_proto = arena_layout_to_proto(arena) if arena is not None else None
         self._closed = threading.Event()
         self._heartbeat: threading.Thread | None = None
         if fence_dir is None and layout.device == DEVICE_CPU:
@@ -199,6 +209,8 @@ class GrpcCompactor:
                 f"cannot register the KV pool with the compactor at {self.target}: "
                 f"{error.code().name} {error.details()}"
             ) from None
+        if self._arena_proto is not None:
+            self._register_arena(reply.pool_id, reply.epoch)
         self.pool_id, self.epoch = reply.pool_id, reply.epoch
         self.limits = CallLimits(
             max_plans_per_call=max(1, reply.limits.max_plans_per_call),
@@ -213,6 +225,22 @@ class GrpcCompactor:
             )
             self._heartbeat.start()
         return self.pool_id, self.epoch
+
+    def _register_arena(self, pool_id: str, epoch: int) -> None:
+        try:
+            self._stub.RegisterArena(
+                pb.RegisterArenaRequest(pool_id=pool_id, epoch=epoch, layout=self._arena_proto),
+                timeout=self.register_timeout_s,
+            )
+        except grpc.RpcError as error:
+            if error.code() in _POOL_REFUSED:
+                raise ValueError(
+                    f"the compactor refused the tier arena ({error.code().name}): {error.details()}"
+                ) from None
+            raise CompactorUnavailable(
+                f"cannot register the tier arena with the compactor at {self.target}: "
+                f"{error.code().name} {error.details()}"
+            ) from None
 
     def _beat(self) -> None:
         """Renew the registration every third of its lease until ``close``. A failed

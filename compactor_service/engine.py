@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -43,6 +44,12 @@ from compactor_service.fence import CompactorFence
 from compactor_service.leases import LeaseStore
 from compactor_service.limits import LimitExceeded, ServerLimits, clip
 from compactor_service.plan import CompactionPlan, PlanError
+from compactor_service.shared_arena import (
+    ArenaFile,
+    ArenaLayout,
+    ArenaMappingError,
+    open_arena_file,
+)
 from compactor_service.shared_pool import (
     DEVICE_CUDA,
     PoolDirectory,
@@ -93,15 +100,19 @@ class _Pool:
     # The pool's fence (``compactor_service.fence``); None: a client that registered
     # none gets the deadline check alone.
     fence: CompactorFence | None = None
+    # The pool's tier arena (``compactor_service.shared_arena``), once registered.
+    arena: ArenaFile | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self) -> None:
-        """Drop what the pool holds open (its file, its fence); the client's memory is
-        untouched."""
+        """Drop what the pool holds open (its file, its fence, its arena's file); the
+        client's memory is untouched."""
         if isinstance(self.compactor, FileCompactor):
             self.compactor.pool_file.close()
         if self.fence is not None:
             self.fence.close()
+        if self.arena is not None:
+            self.arena.close()
 
 
 @dataclass
@@ -213,6 +224,37 @@ class CompactorEngine:
                 raise
             self.pools[pool.pool_id] = pool
         return pool.pool_id, pool.epoch
+
+    def register_arena(self, pool_id: str, epoch: int, layout: ArenaLayout) -> int:
+        """Open the tier arena of a registered pool (once: a pool has one arena for its
+        registration's life) after ``ArenaLayout``'s checks; return its bytes. A refusal
+        (``ArenaMappingError`` and the pool directory's) leaves nothing open."""
+        pool = self.pool(pool_id, epoch)
+        layout.validate()
+        layout.check_matches(pool.layout)
+        if self.pool_dir is None:
+            raise PoolFileRefused("this compactor has no pool directory: arenas are refused")
+        with pool.lock:
+            if pool.arena is not None:
+                raise ArenaMappingError(
+                    f"pool {clip(pool_id)} has its arena already: register the pool again "
+                    f"to give it another"
+                )
+            fd = open_arena_file(self.pool_dir, layout)
+            try:
+                if isinstance(pool.compactor, FileCompactor):
+                    mine, theirs = os.fstat(fd), os.fstat(pool.compactor.pool_file.fd)
+                    if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino):
+                        raise PoolFileRefused(
+                            f"arena.shm_path {clip(layout.shm_path)} is the pool's own file: "
+                            f"an arena may not overlap its pool"
+                        )
+            except BaseException:
+                os.close(fd)
+                raise
+            pool.arena = ArenaFile(fd, layout)
+            self._renew(pool)
+        return layout.file_bytes
 
     def unregister_pool(self, pool_id: str, epoch: int) -> None:
         """Drop the pool and its mappings (the client's buffers are untouched)."""

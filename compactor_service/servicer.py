@@ -59,7 +59,12 @@ from compactor_service.shared_pool import (
     PoolMappingError,
 )
 from compactor_service.v1 import compactor_pb2 as pb
-from compactor_service.wire import claim_from_proto, layout_from_proto, plan_from_proto
+from compactor_service.wire import (
+    arena_layout_from_proto,
+    claim_from_proto,
+    layout_from_proto,
+    plan_from_proto,
+)
 from compactor_service.wire_bounds import (
     MalformedWire,
     RequestBounds,
@@ -191,6 +196,11 @@ class CompactorServicer:
                 self.UnregisterPool,
             ),
             "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatResponse, self.Heartbeat),
+            "RegisterArena": (
+                pb.RegisterArenaRequest,
+                pb.RegisterArenaResponse,
+                self.RegisterArena,
+            ),
             "Compact": (pb.CompactRequest, pb.CompactResponse, self.Compact),
             "Stats": (pb.StatsRequest, pb.StatsResponse, self.Stats),
         }
@@ -252,6 +262,20 @@ class CompactorServicer:
                 lease_ms=int(limits.pool_lease_s * 1000),
             ),
         )
+
+    def RegisterArena(self, request, context):
+        layout = arena_layout_from_proto(request.layout)
+        arena_bytes = self.engine.register_arena(request.pool_id, request.epoch, layout)
+        logger.info(
+            "tier arena registered",
+            extra={
+                "pool_id": clip(request.pool_id),
+                "bits": layout.bits,
+                "slots": layout.num_slots,
+                "bytes": arena_bytes,
+            },
+        )
+        return pb.RegisterArenaResponse(arena_bytes=arena_bytes)
 
     def UnregisterPool(self, request, context):
         self.engine.unregister_pool(request.pool_id, request.epoch)

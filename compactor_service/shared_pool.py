@@ -221,7 +221,7 @@ class PoolDirectory:
         """A read-write descriptor of the CPU pool's file, after every check of the
         module docstring; raises ``PoolFileRefused``, ``PoolFileMissing`` or
         ``PoolMappingError`` (wrong size)."""
-        return self._open_checked(
+        return self.open_checked(
             layout.k_buffers[0].shm_path,
             "layout.k_buffers[0].shm_path",
             _POOL_FILE_NAME,
@@ -234,7 +234,7 @@ class PoolDirectory:
         under the same checks as a pool file."""
         from compactor_service.fence import FENCE_BYTES, FENCE_FILE_NAME, FENCE_FILE_PREFIX
 
-        return self._open_checked(
+        return self.open_checked(
             path,
             "fence_file",
             FENCE_FILE_NAME,
@@ -242,9 +242,12 @@ class PoolDirectory:
             FENCE_BYTES,
         )
 
-    def _open_checked(
+    def open_checked(
         self, path: str, where: str, pattern: re.Pattern, kind: str, size_bytes: int
     ) -> int:
+        """A read-write descriptor of ``path`` (named ``where`` in refusals) after the
+        module docstring's checks: in this directory, named by ``pattern``, a regular
+        file of one link owned by this uid, of exactly ``size_bytes``."""
         shown = clip(path)
         if os.path.dirname(path) != str(self.path):
             raise PoolFileRefused(

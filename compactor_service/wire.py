@@ -14,6 +14,7 @@ from torch import Tensor
 from compactor_service.compactor import LeaseClaim
 from compactor_service.limits import clip
 from compactor_service.plan import ARRAY_FIELDS, CompactionPlan, PlanError
+from compactor_service.shared_arena import ArenaLayout, ArenaMappingError
 from compactor_service.shared_pool import (
     DEVICE_CPU,
     DEVICE_CUDA,
@@ -135,6 +136,42 @@ def layout_from_proto(message: pb.PoolLayout) -> PoolLayout:
         device_index=int(message.device_index),
         k_buffers=tuple(_handle_from_proto(h) for h in message.k_buffers),
         v_buffers=tuple(_handle_from_proto(h) for h in message.v_buffers),
+    )
+    layout.validate()
+    return layout
+
+
+_ARENA_FIELDS = (
+    "bits",
+    "group_tokens",
+    "value_group_channels",
+    "outlier_tokens",
+    "head_dim",
+    "scale_dtype",
+    "full_dtype",
+    "num_layers",
+    "num_slots",
+    "num_kv_heads",
+    "device_index",
+    "shm_path",
+)
+
+
+def arena_layout_to_proto(layout: ArenaLayout) -> pb.ArenaLayout:
+    return pb.ArenaLayout(
+        **{name: getattr(layout, name) for name in _ARENA_FIELDS},
+        device=_DEVICES[layout.device],
+    )
+
+
+def arena_layout_from_proto(message: pb.ArenaLayout) -> ArenaLayout:
+    if message.device not in _DEVICE_NAMES:
+        raise ArenaMappingError(
+            f"arena.device must be DEVICE_CPU or DEVICE_CUDA, got {message.device}"
+        )
+    layout = ArenaLayout(
+        **{name: getattr(message, name) for name in _ARENA_FIELDS},
+        device=_DEVICE_NAMES[message.device],
     )
     layout.validate()
     return layout

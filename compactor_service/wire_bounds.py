@@ -128,6 +128,10 @@ def request_bounds(limits: ServerLimits) -> dict[str, RequestBounds]:
             MAX_REGISTER_POOL_BYTES,
             f"MAX_REGISTER_POOL_BYTES: {MAX_LAYERS} K and V handles of a path each",
         ),
+        "RegisterArena": (
+            MAX_SMALL_REQUEST_BYTES,
+            "MAX_SMALL_REQUEST_BYTES: a pool id, an epoch, a format and a path",
+        ),
     }
     small = (MAX_SMALL_REQUEST_BYTES, "MAX_SMALL_REQUEST_BYTES: a pool id and an epoch")
     service = pb.DESCRIPTOR.services_by_name["Compactor"]

@@ -120,6 +120,52 @@ class UnregisterPoolResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ArenaLayout(_message.Message):
+    __slots__ = ("bits", "group_tokens", "value_group_channels", "outlier_tokens", "head_dim", "scale_dtype", "full_dtype", "num_layers", "num_slots", "num_kv_heads", "device", "device_index", "shm_path")
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_GROUP_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    OUTLIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    SCALE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FULL_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    bits: int
+    group_tokens: int
+    value_group_channels: int
+    outlier_tokens: int
+    head_dim: int
+    scale_dtype: str
+    full_dtype: str
+    num_layers: int
+    num_slots: int
+    num_kv_heads: int
+    device: Device
+    device_index: int
+    shm_path: str
+    def __init__(self, bits: _Optional[int] = ..., group_tokens: _Optional[int] = ..., value_group_channels: _Optional[int] = ..., outlier_tokens: _Optional[int] = ..., head_dim: _Optional[int] = ..., scale_dtype: _Optional[str] = ..., full_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., device: _Optional[_Union[Device, str]] = ..., device_index: _Optional[int] = ..., shm_path: _Optional[str] = ...) -> None: ...
+
+class RegisterArenaRequest(_message.Message):
+    __slots__ = ("pool_id", "epoch", "layout")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    epoch: int
+    layout: ArenaLayout
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., layout: _Optional[_Union[ArenaLayout, _Mapping]] = ...) -> None: ...
+
+class RegisterArenaResponse(_message.Message):
+    __slots__ = ("arena_bytes",)
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    arena_bytes: int
+    def __init__(self, arena_bytes: _Optional[int] = ...) -> None: ...
+
 class Plan(_message.Message):
     __slots__ = ("rid", "page_size", "new_row_le64", "new_positions_le64", "src_slots_le64", "dst_slots_le64", "freed_pages_le64", "claimed_pages_le64")
     RID_FIELD_NUMBER: _ClassVar[int]

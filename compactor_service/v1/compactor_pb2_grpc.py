@@ -49,6 +49,11 @@ class CompactorStub:
                 request_serializer=compactor__service_dot_v1_dot_compactor__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=compactor__service_dot_v1_dot_compactor__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.RegisterArena = channel.unary_unary(
+                '/sglang_evict.compactor.v1.Compactor/RegisterArena',
+                request_serializer=compactor__service_dot_v1_dot_compactor__pb2.RegisterArenaRequest.SerializeToString,
+                response_deserializer=compactor__service_dot_v1_dot_compactor__pb2.RegisterArenaResponse.FromString,
+                _registered_method=True)
         self.Compact = channel.unary_unary(
                 '/sglang_evict.compactor.v1.Compactor/Compact',
                 request_serializer=compactor__service_dot_v1_dot_compactor__pb2.CompactRequest.SerializeToString,
@@ -77,6 +82,12 @@ class CompactorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterArena(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,6 +122,11 @@ def add_CompactorServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=compactor__service_dot_v1_dot_compactor__pb2.HeartbeatRequest.FromString,
                     response_serializer=compactor__service_dot_v1_dot_compactor__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'RegisterArena': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterArena,
+                    request_deserializer=compactor__service_dot_v1_dot_compactor__pb2.RegisterArenaRequest.FromString,
+                    response_serializer=compactor__service_dot_v1_dot_compactor__pb2.RegisterArenaResponse.SerializeToString,
             ),
             'Compact': grpc.unary_unary_rpc_method_handler(
                     servicer.Compact,
@@ -204,6 +220,33 @@ class Compactor:
             '/sglang_evict.compactor.v1.Compactor/Heartbeat',
             compactor__service_dot_v1_dot_compactor__pb2.HeartbeatRequest.SerializeToString,
             compactor__service_dot_v1_dot_compactor__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterArena(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang_evict.compactor.v1.Compactor/RegisterArena',
+            compactor__service_dot_v1_dot_compactor__pb2.RegisterArenaRequest.SerializeToString,
+            compactor__service_dot_v1_dot_compactor__pb2.RegisterArenaResponse.FromString,
             options,
             channel_credentials,
             insecure,

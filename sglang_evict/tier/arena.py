@@ -73,6 +73,19 @@ def arena_groups_for_share(
     return max(0, math.floor(share * kv_pool_bytes / per_group) - 1)
 
 
+def _check_stores(stores: list[TierStore], expected: list[TierStore]) -> None:
+    if len(stores) != len(expected):
+        raise ValueError(f"the tier arena needs {len(expected)} layers' stores, got {len(stores)}")
+    for layer, (got, want) in enumerate(zip(stores, expected, strict=True)):
+        for name, tensor in want.tensors().items():
+            have = got.tensors()[name]
+            if have.shape != tensor.shape or have.dtype != tensor.dtype:
+                raise ValueError(
+                    f"tier arena layer {layer} {name}: {tuple(have.shape)} {have.dtype}, "
+                    f"the format needs {tuple(tensor.shape)} {tensor.dtype}"
+                )
+
+
 class TierArena:
     """``num_groups`` group slots (plus the trash slot) of every layer."""
 
@@ -85,7 +98,11 @@ class TierArena:
         kv_heads: int,
         full_dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        stores: list[TierStore] | None = None,
     ) -> None:
+        """``stores``: the layers' stores already allocated (memory a compactor sidecar
+        maps: ``compactor_service.shared_arena``), checked against the format and sizes;
+        otherwise allocated here."""
         if num_groups < 1:
             raise ValueError(
                 f"the tier's arena holds {num_groups} groups: raise --kv-tier-pool-share "
@@ -95,17 +112,20 @@ class TierArena:
         self.num_groups = num_groups
         self.trash = num_groups
         self.device = torch.device(device)
-        self.stores = [
+        expected = [
             TierStore.empty(
                 fmt,
                 num_groups + 1,
                 kv_heads,
                 full_dtype,
-                device=self.device,
+                device=self.device if stores is None else "meta",
                 outliers=fmt.outliers_for_layer(layer),
             )
             for layer in range(num_layers)
         ]
+        if stores is not None:
+            _check_stores(stores, expected)
+        self.stores = expected if stores is None else list(stores)
         self.scores = torch.zeros(num_groups + 1, dtype=torch.float32, device=self.device)
         self.positions = torch.full(
             (num_groups + 1, fmt.group_tokens), -1, dtype=torch.int32, device=self.device
