@@ -7,7 +7,7 @@ idle point.
     python3 benches/soak.py --model smollm2 --minutes 60 --faults
     python3 benches/soak.py --replicas 2 --kill-replica --minutes 10   # behind the router
     python3 benches/soak.py --short                 # CI's form: 2 min, tiny, faults on
-    python3 benches/soak.py --kv-tier-bits 3 --faults   # the quantized tier, Redis restarts
+    python3 benches/soak.py --kv-tier-bits 3 --faults   # the tier, the sidecar demoting
 
 The load: ``/generate`` (streamed and not), ``/v1/completions`` and
 ``/v1/chat/completions`` streamed, at a concurrency above what the pool holds
@@ -21,8 +21,8 @@ whose server is SIGKILLed at random intervals, and leases live in Redis
 (``--kv-lease-store redis``), restarted at random intervals. With ``--kv-tier-bits``
 the server runs the quantized tier (the tiny model's head-dim-64 variant), requests ask
 for tiers of their own, some too large or not whole groups (a 400 naming
-``tier_tokens``), every idle point also finds the tier empty, and the faults are
-Redis's alone (the sidecar does not run the tier). With ``--replicas 2``
+``tier_tokens``), every idle point also finds the tier empty, and the sidecar demotes
+into the tier's arena under the same SIGKILLs. With ``--replicas 2``
 requests go through ``sglang-evict router``; ``--kill-replica`` SIGKILLs one replica
 halfway (then every request must complete or fail with an error its client sees).
 
@@ -236,7 +236,7 @@ def parse(argv) -> Settings:
     )  # fmt: skip
     parser.add_argument(
         "--kv-tier-bits", type=int, choices=(2, 3, 4, 8), default=None,
-        help="the quantized tier on (faults: Redis restarts only; the sidecar does not run it)",
+        help="the quantized tier on (with --faults the sidecar demotes, under SIGKILLs)",
     )  # fmt: skip
     parser.add_argument("--short", action="store_true", help="CI's form: 2 min, tiny, faults")
     parser.add_argument("--out", default="soak-out", help="folder for soak.json and soak.png")

@@ -58,23 +58,21 @@ class Stack:
                 if _mkdir(self.workdir / "redis")
                 else None
             )
-            # The tier runs with the in-process compactor only (the sidecar does not
-            # quantize yet): its faults are Redis's alone.
-            if s.tier_bits is None:
-                pools = self.workdir / "pools"
-                # A Unix socket's path holds at most 107 bytes: the sidecar's folder is short.
-                self.short_dir = Path(tempfile.mkdtemp(prefix="soak-"))
-                self.sidecar = CompactorProcess(
-                    self.short_dir, "--supervise", pool_dir=str(pools)
-                ).start()
-                flags += [
-                    "--kv-compactor",
-                    "grpc",
-                    "--kv-compactor-socket",
-                    str(self.sidecar.socket),
-                    "--kv-compactor-pool-dir",
-                    str(pools),
-                ]
+            # The sidecar compacts (and, with the tier, demotes) under SIGKILLs.
+            pools = self.workdir / "pools"
+            # A Unix socket's path holds at most 107 bytes: the sidecar's folder is short.
+            self.short_dir = Path(tempfile.mkdtemp(prefix="soak-"))
+            self.sidecar = CompactorProcess(
+                self.short_dir, "--supervise", pool_dir=str(pools)
+            ).start()
+            flags += [
+                "--kv-compactor",
+                "grpc",
+                "--kv-compactor-socket",
+                str(self.sidecar.socket),
+                "--kv-compactor-pool-dir",
+                str(pools),
+            ]
             flags += ["--kv-lease-store", "redis"]
             env[REDIS_URL_ENV] = self.redis.url
         pool_tokens = s.pool_tokens

@@ -6,6 +6,7 @@ Imports only the kernels package (``sglang_evict_kernels``), never ``sglang`` or
     module        job
     plan          the compaction plan as data, checkable without the planner
     compactor     the compactor contract and its in-process implementation
+    demotion      a pass's demotions: checked, then quantized into the tier's arena
     engine        the sidecar's domain logic: pools, epochs, validate, lease, kernel
     fence         the pass fence: no late kernel writes a pool given up on
     leases        who may move which pages (fencing tokens, pins), in-process

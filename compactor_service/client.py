@@ -28,6 +28,11 @@ the fence says which of the two it was, so a call whose kernel never started cou
 having moved nothing. A pass split over several calls (``split_batch``) whose later
 call fails has moved the earlier calls' slots: it raises ``PassPartlyDone``, which the
 caller completes in-process from the same plans whatever the failure.
+
+A pass that demotes into the tier's arena is sent in two phases
+(``compactor.in_two_phases``): its demotions, then its moves. A failed demotion call
+moved nothing (``CompactorUnavailable.moved`` is False for it): ``FallbackCompactor``
+demotes in-process from the unchanged pool, and the moves follow as any pass's.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import os
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +58,7 @@ from compactor_service.compactor import (
     LeaseClaim,
     LeaseRefused,
     PassPartlyDone,
+    in_two_phases,
     nothing_moved,
 )
 from compactor_service.fence import ClientFence
@@ -125,7 +132,9 @@ def split_batch(plans: Sequence[pb.Plan], limits: CallLimits) -> list[list[pb.Pl
     chunks: list[list[pb.Plan]] = [[]]
     moves = size = 0
     for plan in plans:
-        plan_moves, plan_size = len(plan.src_slots_le64) // 8, plan.ByteSize() + 16
+        # A demoted token costs the compactor about what a move does: counted as one.
+        plan_moves = (len(plan.src_slots_le64) + len(plan.demote_slots_le64)) // 8
+        plan_size = plan.ByteSize() + 16
         chunk = chunks[-1]
         if chunk and (
             len(chunk) >= limits.max_plans_per_call
@@ -226,6 +235,18 @@ class GrpcCompactor:
             self._heartbeat.start()
         return self.pool_id, self.epoch
 
+    def attach_arena(self, arena: ArenaLayout) -> None:
+        """Register ``arena`` (the pool's tier arena) now if the pool is registered, and
+        after every registration from now on."""
+        self.arena = arena
+        self._arena_proto = arena_layout_to_proto(arena)
+        if self.pool_id is not None:
+            try:
+                self._register_arena(self.pool_id, self.epoch)
+            except CompactorUnavailable:
+                self.pool_id = None  # the next call registers the pool and its arena
+                raise
+
     def _register_arena(self, pool_id: str, epoch: int) -> None:
         try:
             self._stub.RegisterArena(
@@ -259,16 +280,27 @@ class GrpcCompactor:
     def compact(
         self, plans: Sequence[CompactionPlan], claim: LeaseClaim | None = None
     ) -> CompactResult:
-        """Send the pass, split into calls within the compactor's limits. A failure of
+        """Send the pass: a pass that demotes as two (``compactor.in_two_phases``: its
+        demotions, then its moves), each split into calls within the compactor's
+        limits (``_send``)."""
+        return in_two_phases(self._send, plans, claim)
+
+    def _send(
+        self, plans: Sequence[CompactionPlan], claim: LeaseClaim | None = None
+    ) -> CompactResult:
+        """Send plans, split into calls within the compactor's limits. A failure of
         the first call raises what it was (nothing moved unless the fence says its
         kernel started: ``CompactorUnavailable.moved``); a failure after a call moved
-        slots raises ``PassPartlyDone``. Before every call after the first, the pass's
-        lease is renewed (``claim.renew``): a lease that cannot be renewed is a failure
-        after a call moved slots."""
+        slots raises ``PassPartlyDone``. Calls that only demote never move a slot:
+        their failures say nothing moved (the arena slots they wrote are read by
+        nobody until the caller commits). Before every call after the first, the
+        pass's lease is renewed (``claim.renew``): a lease that cannot be renewed is a
+        failure after a call moved slots."""
         if self.pool_id is None:
             self.register()
         messages = [plan_to_proto(p) for p in plans]
         chunks = split_batch(messages, self.limits)
+        moves = any(p.num_moves for p in plans)
         results = []
         for index, chunk in enumerate(chunks):
             try:
@@ -277,9 +309,9 @@ class GrpcCompactor:
                         f"the pass's lease {claim.resource!r} could not be renewed before "
                         f"its call {index + 1} of {len(chunks)}"
                     )
-                results.append(self._compact_call(chunk, claim))
+                results.append(self._compact_call(chunk, claim, moves))
             except Exception as error:
-                if index == 0:
+                if index == 0 or not moves:
                     raise
                 raise PassPartlyDone(
                     f"call {index + 1} of the {len(chunks)} calls of a split pass failed "
@@ -290,9 +322,12 @@ class GrpcCompactor:
             bytes_moved=sum(r.bytes_moved for r in results),
             duration_s=sum(r.duration_s for r in results),
             kernel=results[0].kernel,
+            groups_demoted=sum(r.groups_demoted for r in results),
         )
 
-    def _compact_call(self, plans: list[pb.Plan], claim: LeaseClaim | None) -> CompactResult:
+    def _compact_call(
+        self, plans: list[pb.Plan], claim: LeaseClaim | None, moves: bool = True
+    ) -> CompactResult:
         for attempt in (0, 1):
             call_seq = self.fence.next_seq() if self.fence is not None else 0
             request = pb.CompactRequest(
@@ -307,6 +342,7 @@ class GrpcCompactor:
             except grpc.RpcError as error:
                 # Whatever happened, this call's kernel must not start from now on.
                 moved = self.fence.revoke(call_seq) if self.fence is not None else True
+                moved = moved and moves  # a call that only demotes moves no slot
                 code = error.code()
                 if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                     # Restarted compactor, expired or replaced registration: nothing moved.
@@ -332,6 +368,7 @@ class GrpcCompactor:
                 bytes_moved=reply.bytes_moved,
                 duration_s=reply.duration_s,
                 kernel=reply.kernel,
+                groups_demoted=reply.groups_demoted,
             )
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -378,8 +415,20 @@ class FallbackCompactor:
         self._last_probe = 0.0
         self._lock = threading.Lock()
         self.sidecar_passes = 0
-        self.fallback_passes = 0
+        self.fallback_passes = 0  # passes whose moves ran in-process
+        self.fallback_demotions = 0  # demotions (a pass's first phase) run in-process
+        self.fallbacks_by_cause: Counter[str] = Counter()  # "pass:sidecar-down", ...
         self.skipped_passes = 0
+
+    def attach_arena(self, stores: Sequence, fmt, layout: ArenaLayout) -> None:
+        """The pool's tier arena: its layout registered with the sidecar, its stores
+        (this process's mapping of the same memory) given to the in-process fallback,
+        so that a demotion runs the same on either."""
+        self.fallback.attach_arena(stores, fmt)
+        try:
+            self.primary.attach_arena(layout)
+        except CompactorUnavailable as error:  # registered at its next registration
+            logger.warning("%s; registering it when the sidecar is back", error)
 
     @property
     def sidecar_up(self) -> bool:
@@ -401,6 +450,24 @@ class FallbackCompactor:
     def compact(
         self, plans: Sequence[CompactionPlan], claim: LeaseClaim | None = None
     ) -> CompactResult:
+        """The pass on the sidecar, a pass that demotes in two phases
+        (``compactor.in_two_phases``), each phase falling back on its own: a demotion
+        that fails on the sidecar is done in-process from the unchanged pool, and the
+        moves then follow wherever the sidecar's state sends them."""
+        return in_two_phases(self._compact_once, plans, claim)
+
+    def _fell_back(self, plans: Sequence[CompactionPlan], cause: str) -> None:
+        demotes = any(p.num_demoted_groups for p in plans)
+        kind = "demotion" if demotes and not any(p.num_moves for p in plans) else "pass"
+        if kind == "pass":
+            self.fallback_passes += 1
+        else:
+            self.fallback_demotions += 1
+        self.fallbacks_by_cause[f"{kind}:{cause}"] += 1
+
+    def _compact_once(
+        self, plans: Sequence[CompactionPlan], claim: LeaseClaim | None = None
+    ) -> CompactResult:
         with self._lock:
             if not self._sidecar_usable():
                 if self.mode == "skip":
@@ -409,13 +476,13 @@ class FallbackCompactor:
                         "the compactor sidecar is down and --kv-compactor-fallback is skip: "
                         "pass skipped, nothing moved"
                     )
-                self.fallback_passes += 1
+                self._fell_back(plans, "sidecar-down")
                 return self.fallback.compact(plans, claim)
             try:
                 result = self.primary.compact(plans, claim)
             except CompactorUnavailable as error:
                 self._down_since = self._last_probe = self._clock_s()
-                self.fallback_passes += 1
+                self._fell_back(plans, "sidecar-failed")
                 logger.error("%s; completing the pass in-process", error)
                 try:
                     return self.fallback.compact(plans, claim)

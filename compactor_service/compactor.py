@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from compactor_service import tracing
+from compactor_service import demotion, tracing
 from compactor_service.leases import LeaseStore
 from compactor_service.limits import clip
 from compactor_service.plan import CompactionPlan, PlanError
@@ -42,6 +42,7 @@ class CompactResult:
     duration_s: float  # validation + lease check + kernel
     kernel: str
     kernel_s: float = 0.0  # the kernel alone
+    groups_demoted: int = 0  # groups quantized into the tier's arena (trash included)
 
 
 class LeaseRefused(PlanError):
@@ -70,6 +71,11 @@ class PassPartlyDone(RuntimeError):
     caller must complete the pass from the same plans, whatever refused it."""
 
 
+class DemotionFailed(RuntimeError):
+    """A pass's demotion (its first phase: ``in_two_phases``) failed: its moves were
+    never sent, so nothing moved; the arena slots it wrote are read by nobody."""
+
+
 class CompactionSkipped(RuntimeError):
     """The sidecar is down and the fallback mode is ``skip``: nothing was planned to
     move, the requests keep their full KV."""
@@ -81,8 +87,9 @@ CAUSE_METADATA_KEY = "sglang-evict-cause"
 CAUSE_LEASE_STORE_DOWN = "lease-store-unavailable"
 
 # Points of a pass where a fault hook (tests) may strike: before validation, after the
-# lease check, inside the pass fence before the kernel, halfway through the moves,
-# after the moves (the fence released).
+# lease check, inside the pass fence before the kernel, halfway through the kernel (its
+# moves; in a call that demotes, its demotion's groups), after the kernel (the fence
+# released).
 FAULT_POINTS = ("received", "checked", "fenced", "mid-copy", "copied")
 
 
@@ -114,6 +121,45 @@ class Compactor(Protocol):
         """Apply ``plans``; raise ``PlanError`` (and move nothing) if any is invalid or,
         with a lease store, if ``claim`` does not hold a current lease."""
         ...
+
+
+def in_two_phases(
+    compact: Callable[[Sequence[CompactionPlan], LeaseClaim | None], CompactResult],
+    plans: Sequence[CompactionPlan],
+    claim: LeaseClaim | None,
+) -> CompactResult:
+    """A pass that demotes, as two calls of ``compact``: its demotions first (they read
+    the pool and write only arena slots nobody reads yet), then, once they are
+    confirmed, its moves (which overwrite the demoted tokens' slots). So a pass that
+    fails in its first call has moved nothing: the pool is as it was, its demotion can
+    be done again from it; and one that fails in its second has its demotion done and
+    is completed like any pass whose moves failed. A pass without demotions, or
+    without moves, is one call."""
+    if not any(p.num_demoted_groups for p in plans) or not any(p.num_moves for p in plans):
+        return compact(plans, claim)  # one kind of work: nothing to order
+    try:
+        first = compact([p.without_moves() for p in plans], claim)
+    except Exception as error:
+        if nothing_moved(error):
+            raise
+        raise DemotionFailed(
+            f"the pass's demotion failed before its moves were sent, nothing moved "
+            f"({type(error).__name__}: {error})"
+        ) from error
+    if claim is not None and not claim.renewed():
+        raise LeaseRefused(
+            f"the pass's lease {claim.resource!r} could not be renewed after its demotion: "
+            f"its moves were not sent, nothing moved"
+        )
+    second = compact([p.without_demotion() for p in plans], claim)
+    return CompactResult(
+        slots_moved=second.slots_moved,
+        bytes_moved=second.bytes_moved,
+        duration_s=first.duration_s + second.duration_s,
+        kernel=second.kernel,
+        kernel_s=first.kernel_s + second.kernel_s,
+        groups_demoted=first.groups_demoted,
+    )
 
 
 def _pages(slots: Tensor, page_size: int) -> Tensor:
@@ -220,6 +266,30 @@ class InProcessCompactor:
         self.bytes_per_slot = sum(
             b[0].numel() * b.element_size() for b in (*self.k_buffers, *self.v_buffers)
         )
+        self.arena_stores: list | None = None
+        self.arena_format = None
+
+    def attach_arena(self, stores: Sequence, fmt) -> None:
+        """The tier arena's per-layer stores (``TierStore``, the last slot the trash)
+        and format: passes may then demote into it."""
+        self.arena_stores, self.arena_format = list(stores), fmt
+
+    def _arena(self) -> tuple[object | None, int]:
+        """(the arena's format or None, its slots with the trash slot)."""
+        if self.arena_stores is None:
+            return None, 0
+        return self.arena_format, int(self.arena_stores[0].k_codes.shape[0])
+
+    def demote(self, token_slots: Tensor, targets: Tensor) -> None:
+        """Quantize validated demotions into the arena (``compactor_service.demotion``)."""
+        demotion.demote_tensors(
+            self.arena_stores,
+            self.arena_format,
+            self.k_buffers,
+            self.v_buffers,
+            token_slots,
+            targets,
+        )
 
     def _set_checks(self, leases: LeaseStore | None, page_size: int | None) -> None:
         if leases is not None and page_size is None:
@@ -254,9 +324,14 @@ class InProcessCompactor:
                             f"{self.page_size}"
                         )
             src, dst = validate_batch(plans, self.num_slots, still_wanted)
+            arena_format, arena_slots = self._arena()
+            token_slots, targets = demotion.check_batch(
+                plans, arena_format, arena_slots, self.num_slots
+            )
         if self.leases is not None:
             with tracer.start_as_current_span(tracing.SPAN_LEASE_CHECK):
-                check_leases(self.leases, claim, src, dst, self.page_size)
+                reads = torch.cat([src, token_slots.reshape(-1)])  # a demotion reads too
+                check_leases(self.leases, claim, reads, dst, self.page_size)
         if still_wanted is not None and not still_wanted():
             raise PassAbandoned(
                 "the caller stopped waiting before the kernel started: nothing moved"
@@ -265,7 +340,14 @@ class InProcessCompactor:
         with (fence or nullcontext)(), tracer.start_as_current_span(tracing.SPAN_KERNEL):
             hook("fenced")
             kernel_start = time.perf_counter()
-            if fault is None:
+            if targets.numel():  # before the moves: they may overwrite demoted slots
+                half = targets.numel() // 2 if fault is not None else targets.numel()
+                self.demote(token_slots[:half], targets[:half])
+                if fault is not None:
+                    hook("mid-copy")  # halfway through the kernel: here its demotion
+                    self.demote(token_slots[half:], targets[half:])
+                self.copy(src, dst)
+            elif fault is None:
                 self.copy(src, dst)
             else:
                 half = src.numel() // 2
@@ -281,6 +363,7 @@ class InProcessCompactor:
             duration_s=time.perf_counter() - start,
             kernel=self.kernel,
             kernel_s=kernel_s,
+            groups_demoted=int(targets.numel()),
         )
 
     def copy(self, src: Tensor, dst: Tensor) -> None:
@@ -309,6 +392,19 @@ class FileCompactor(InProcessCompactor):
         self.synchronize = False
         self.num_slots = pool_file.layout.num_slots
         self.bytes_per_slot = pool_file.bytes_per_slot
+        self.arena_file = None
+
+    def attach_arena_file(self, arena_file) -> None:
+        """The pool's registered arena file (``shared_arena.ArenaFile``)."""
+        self.arena_file = arena_file
+
+    def _arena(self) -> tuple[object | None, int]:
+        if self.arena_file is None:
+            return None, 0
+        return self.arena_file.layout.format(), self.arena_file.layout.num_slots
+
+    def demote(self, token_slots: Tensor, targets: Tensor) -> None:
+        demotion.demote_files(self.pool_file, self.arena_file, token_slots, targets)
 
     def copy(self, src: Tensor, dst: Tensor) -> None:
         if src.numel():
@@ -350,4 +446,4 @@ def nothing_moved(error: Exception) -> bool:
         return False
     if isinstance(error, CompactorUnavailable):
         return not error.moved
-    return isinstance(error, (CompactionSkipped, PlanError, LeaseStoreUnavailable))
+    return isinstance(error, (CompactionSkipped, DemotionFailed, PlanError, LeaseStoreUnavailable))

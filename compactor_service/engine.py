@@ -58,6 +58,7 @@ from compactor_service.shared_pool import (
     PoolFileTruncated,
     PoolLayout,
 )
+from sglang_evict_kernels.tier_quant import quantize_function
 
 MAX_CLIENT_ID_CHARS = 256
 
@@ -123,6 +124,7 @@ class EngineStats:
     bytes_moved: int = 0
     kernel_seconds: float = 0.0
     pools_expired: int = 0
+    groups_demoted: int = 0  # tier groups quantized into arenas (trash included)
 
 
 class CompactorEngine:
@@ -253,7 +255,11 @@ class CompactorEngine:
                 os.close(fd)
                 raise
             pool.arena = ArenaFile(fd, layout)
+            pool.compactor.attach_arena_file(pool.arena)
             self._renew(pool)
+        # Load (on a new machine: build) the tier's CPU quantizer now, not inside the
+        # first demotion's deadline.
+        quantize_function("cpu")
         return layout.file_bytes
 
     def unregister_pool(self, pool_id: str, epoch: int) -> None:
@@ -368,6 +374,7 @@ class CompactorEngine:
             self.stats.slots_moved += result.slots_moved
             self.stats.bytes_moved += result.bytes_moved
             self.stats.kernel_seconds += result.kernel_s
+            self.stats.groups_demoted += result.groups_demoted
             span.set_attribute(tracing.ATTR_SLOTS_MOVED, result.slots_moved)
             span.set_attribute(tracing.ATTR_BYTES_MOVED, result.bytes_moved)
             span.set_attribute(tracing.ATTR_KERNEL, result.kernel)

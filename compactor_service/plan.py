@@ -44,7 +44,7 @@ Diagram of a plan's slots (page size 4, one request; ``.`` = evicted, ``_`` = fr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -84,6 +84,15 @@ ARRAY_FIELDS = (
     "claimed_pages",
 )
 
+# A demotion's int64 arrays (empty: the pass demotes nothing for the request), carried
+# beside the plan's; checked by ``validate_demotion`` against the pool's tier arena.
+DEMOTION_FIELDS = ("demote_slots", "demote_targets", "arena_claimed")
+WIRE_FIELDS = ARRAY_FIELDS + DEMOTION_FIELDS
+
+
+def _no_values() -> Tensor:
+    return torch.zeros(0, dtype=torch.int64)
+
 
 @dataclass(frozen=True)
 class CompactionPlan:
@@ -98,6 +107,12 @@ class CompactionPlan:
             (slot indices when ``page_size`` is 1).
         claimed_pages: int64, fresh pages (allocated by the caller before the pass) that
             ``new_row`` uses; net pages returned = ``len(freed) - len(claimed)``.
+        demote_slots: int64 ``[groups * G]``, the slots of the request's tokens that
+            enter its tier, group by group (read before any move).
+        demote_targets: int64 ``[groups]``, the arena slot each group is written to: one
+            of ``arena_claimed``, or the trash slot (a group given up at once).
+        arena_claimed: int64, free arena slots the caller allotted to the request for
+            this pass; nothing reads them until the caller commits the pass.
     """
 
     page_size: int
@@ -107,10 +122,57 @@ class CompactionPlan:
     dst_slots: Tensor
     freed_pages: Tensor
     claimed_pages: Tensor
+    demote_slots: Tensor = field(default_factory=_no_values)
+    demote_targets: Tensor = field(default_factory=_no_values)
+    arena_claimed: Tensor = field(default_factory=_no_values)
 
     @property
     def num_moves(self) -> int:
         return int(self.src_slots.numel())
+
+    @property
+    def num_demoted_groups(self) -> int:
+        return int(self.demote_targets.numel())
+
+    def without_moves(self) -> CompactionPlan:
+        """The plan's demotion alone (a pass's first call: ``compactor.in_two_phases``)."""
+        return replace(self, src_slots=_no_values(), dst_slots=_no_values())
+
+    def without_demotion(self) -> CompactionPlan:
+        """The plan's moves alone (a pass's second call)."""
+        return replace(
+            self, demote_slots=_no_values(), demote_targets=_no_values(), arena_claimed=_no_values()
+        )
+
+    def validate_demotion(self, group_tokens: int, arena_slots: int, num_slots: int) -> None:
+        """Raise ``PlanError`` unless the demotion is self-consistent for an arena of
+        ``arena_slots`` slots (the last the trash slot) over a pool of ``num_slots``:
+        ``G`` token slots a group, each in the pool and read once; claimed arena slots
+        distinct and not the trash; every target a claimed slot (at most one group
+        each) or the trash slot."""
+        for name in DEMOTION_FIELDS:
+            _int64_1d(name, getattr(self, name))
+        groups = self.num_demoted_groups
+        if self.demote_slots.numel() != groups * group_tokens:
+            raise PlanError(
+                f"demote_slots holds {self.demote_slots.numel()} slots for {groups} groups "
+                f"of {group_tokens} tokens"
+            )
+        _in_range("demote_slots", self.demote_slots, num_slots)
+        trash = arena_slots - 1
+        _in_range("arena_claimed", self.arena_claimed, trash)
+        _in_range("demote_targets", self.demote_targets, arena_slots)
+        for name in ("demote_slots", "arena_claimed"):
+            dup = _duplicates(getattr(self, name))
+            if dup:
+                raise PlanError(f"{name} repeats {dup[:8]}")
+        kept = self.demote_targets[self.demote_targets != trash]
+        dup = _duplicates(kept)
+        if dup:
+            raise PlanError(f"demote_targets writes arena slots {dup[:8]} twice")
+        if not torch.isin(kept, self.arena_claimed).all():
+            stray = kept[~torch.isin(kept, self.arena_claimed)][:8].tolist()
+            raise PlanError(f"demote_targets writes arena slots {stray} the request did not claim")
 
     @property
     def num_pages_freed(self) -> int:
@@ -134,7 +196,7 @@ class CompactionPlan:
         """
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise PlanError(f"page_size must be a positive integer, got {self.page_size!r}")
-        for name in ARRAY_FIELDS:
+        for name in WIRE_FIELDS:
             _int64_1d(name, getattr(self, name))
         if self.new_positions.shape != self.new_row.shape:
             raise PlanError("new_positions and new_row differ in length")

@@ -324,6 +324,7 @@ class CompactorServicer:
             },
         )
         return pb.CompactResponse(
+            groups_demoted=result.groups_demoted,
             slots_moved=result.slots_moved,
             bytes_moved=result.bytes_moved,
             duration_s=result.duration_s,
@@ -342,6 +343,7 @@ class CompactorServicer:
             kernel_seconds=s.kernel_seconds,
             epoch_base=self.engine.epoch_base,
             pools_expired=s.pools_expired,
+            groups_demoted=s.groups_demoted,
         )
 
 

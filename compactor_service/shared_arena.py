@@ -43,6 +43,7 @@ from compactor_service.shared_pool import (
     PoolLayout,
     PoolMappingError,
     _map_fd,
+    slot_runs,
 )
 from sglang_evict_kernels.tier_format import TierFormat, TierStore
 
@@ -296,6 +297,25 @@ class ArenaFile:
         self.fd = fd
         self.layout = layout
         self.specs = layout.tensor_specs()
+
+    def write_rows(self, spec: TensorSpec, slots: Tensor, rows: Tensor) -> None:
+        """Write ``rows`` (one per slot, ``spec``'s row shape) at ``slots`` of the file's
+        tensor ``spec``, through the descriptor: one call per run of consecutive
+        slots."""
+        row_bytes = spec.nbytes // spec.shape[0]
+        if row_bytes == 0 or not len(slots):
+            return
+        data = rows.contiguous().view(torch.uint8).reshape(-1).numpy()
+        done = 0
+        for first, count in slot_runs(slots):
+            chunk = data[done * row_bytes : (done + count) * row_bytes]
+            written = os.pwrite(self.fd, chunk, spec.offset_bytes + first * row_bytes)
+            if written != count * row_bytes:
+                raise ArenaMappingError(
+                    f"the arena's file {clip(self.layout.shm_path)} ended under a write: its "
+                    f"client truncated it"
+                )
+            done += count
 
     def close(self) -> None:
         os.close(self.fd)

@@ -296,6 +296,22 @@ class PoolFileTruncated(RuntimeError):
     there and the pool is dropped. Slots of that call may have been partly copied."""
 
 
+# A read of scattered rows (``PoolFile.read_tokens``) reads through gaps up to this
+# size rather than issuing another call.
+READ_GAP_BYTES = 64 << 10
+
+
+def slot_runs(slots: Tensor) -> list[tuple[int, int]]:
+    """``(first slot, count)`` of each run of consecutive values of ``slots``, in order
+    (one ``pread``/``pwrite`` a run)."""
+    values = slots.numpy()
+    if not len(values):
+        return []
+    starts = np.concatenate([[0], np.nonzero(np.diff(values) != 1)[0] + 1])
+    lengths = np.diff(np.concatenate([starts, [len(values)]]))
+    return [(int(values[s]), int(n)) for s, n in zip(starts, lengths, strict=True)]
+
+
 class PoolFile:
     """A registered CPU pool as the compactor sees it: the file's descriptor, never a
     mapping. Slots are copied with ``pread``/``pwrite`` (contiguous runs of moves in one
@@ -308,7 +324,8 @@ class PoolFile:
     def __init__(self, fd: int, layout: PoolLayout) -> None:
         self.fd = fd
         self.layout = layout
-        self.row_bytes = layout.num_kv_heads * layout.head_dim * DTYPES[layout.dtype].itemsize
+        self.dtype = DTYPES[layout.dtype]
+        self.row_bytes = layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
         self.bytes_per_slot = 2 * layout.num_layers * self.row_bytes
 
     def _truncated(self, what: str) -> PoolFileTruncated:
@@ -340,6 +357,32 @@ class PoolFile:
                 data = pread(fd, count, base + src_bytes)
                 if len(data) != count or pwrite(fd, data, base + dst_bytes) != count:
                     raise self._truncated("ended under the copy")
+
+    def read_tokens(self, buffer: int, slots: Tensor) -> Tensor:
+        """Buffer ``buffer``'s rows ``slots`` (K buffers first, then V) as the pool's
+        dtype, ``[len(slots), kv heads, head dim]``, read through the descriptor: the
+        slots sorted, and each span of them whose gaps stay under ``READ_GAP_BYTES`` read
+        in one call (the unwanted rows between read and dropped: a scattered eviction's
+        tokens cost a few calls a request, not one a token)."""
+        row, base = self.row_bytes, buffer * self.layout.stride_bytes
+        values = slots.numpy()
+        order = np.argsort(values, kind="stable")
+        ordered = values[order]
+        out = np.empty((len(values), row), dtype=np.uint8)
+        if len(values):
+            gap_slots = max(1, READ_GAP_BYTES // row)
+            breaks = np.nonzero(np.diff(ordered) > gap_slots)[0] + 1
+            starts = np.concatenate([[0], breaks])
+            ends = np.concatenate([breaks, [len(values)]])
+            for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+                first, count = int(ordered[s]), int(ordered[e - 1] - ordered[s]) + 1
+                data = os.pread(self.fd, count * row, base + first * row)
+                if len(data) != count * row:
+                    raise self._truncated("ended under a read")
+                block = np.frombuffer(data, dtype=np.uint8).reshape(count, row)
+                out[order[s:e]] = block[ordered[s:e] - first]
+        shape = (len(values), self.layout.num_kv_heads, self.layout.head_dim)
+        return torch.from_numpy(out).view(self.dtype).view(shape)
 
     def close(self) -> None:
         os.close(self.fd)

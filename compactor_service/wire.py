@@ -13,7 +13,7 @@ from torch import Tensor
 
 from compactor_service.compactor import LeaseClaim
 from compactor_service.limits import clip
-from compactor_service.plan import ARRAY_FIELDS, CompactionPlan, PlanError
+from compactor_service.plan import WIRE_FIELDS, CompactionPlan, PlanError
 from compactor_service.shared_arena import ArenaLayout, ArenaMappingError
 from compactor_service.shared_pool import (
     DEVICE_CPU,
@@ -41,7 +41,7 @@ def le64_to_tensor(name: str, data: bytes) -> Tensor:
 
 
 def plan_to_proto(plan: CompactionPlan, rid: str = "") -> pb.Plan:
-    fields = {f"{name}_le64": tensor_to_le64(getattr(plan, name)) for name in ARRAY_FIELDS}
+    fields = {f"{name}_le64": tensor_to_le64(getattr(plan, name)) for name in WIRE_FIELDS}
     return pb.Plan(rid=rid, page_size=plan.page_size, **fields)
 
 
@@ -50,7 +50,7 @@ def plan_from_proto(message: pb.Plan, max_values: int | None = None) -> Compacti
     more values than that (a pool of N slots has no plan array longer than N)."""
     name_of_plan = clip(message.rid) if message.rid else "plan"
     arrays = {}
-    for name in ARRAY_FIELDS:
+    for name in WIRE_FIELDS:
         data = getattr(message, f"{name}_le64")
         if max_values is not None and len(data) // 8 > max_values:
             raise PlanError(

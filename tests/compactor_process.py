@@ -82,6 +82,17 @@ class CompactorProcess:
         self.process.send_signal(signal.SIGTERM)
         return self.process.wait(30)
 
+    def stats(self) -> dict:
+        """The compactor's ``Stats`` as a dict."""
+        import grpc
+
+        from compactor_service.v1 import compactor_pb2 as pb
+        from compactor_service.v1 import compactor_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(self.target) as channel:
+            reply = pb_grpc.CompactorStub(channel).Stats(pb.StatsRequest(), timeout=30)
+        return {field.name: getattr(reply, field.name) for field in reply.DESCRIPTOR.fields}
+
     def log_entries(self) -> list[dict]:
         entries = []
         for line in self.log.read_text().splitlines():

@@ -61,14 +61,49 @@ class KVWitness:
                 )
 
 
+class TierWitness:
+    """Every group a request's tier holds, every step: its stored bytes equal the
+    reference quantizer's bytes of the K/V its tokens had when first written (a
+    ``KVWitness``'s record), so a group attended is always whole and right."""
+
+    def __init__(self, driver: MemoryDriver, kv: KVWitness) -> None:
+        self.driver, self.kv = driver, kv
+        self.groups_checked = 0
+
+    def check(self) -> None:
+        from sglang_evict_kernels.tier_format import quantize_groups_reference
+
+        arena = self.driver.tier_arena
+        layers = len(self.driver.kv_pool.k_buffer)
+        for rid, slots in arena.owned.items():
+            for slot, positions in zip(slots, arena.positions_of(rid), strict=True):
+                rows = [self.kv.seen[(rid, p)] for p in positions]
+                for layer, store in enumerate(arena.stores):
+                    keys = torch.stack([r[layer] for r in rows]).unsqueeze(0)
+                    values = torch.stack([r[layers + layer] for r in rows]).unsqueeze(0)
+                    want = quantize_groups_reference(
+                        keys, values, arena.fmt, arena.fmt.outliers_for_layer(layer)
+                    )
+                    got = store.take(torch.tensor([slot]))
+                    for name, tensor in want.tensors().items():
+                        assert torch.equal(getattr(got, name), tensor), (
+                            f"{rid}: tier slot {slot} ({name}, layer {layer}) differs from "
+                            f"its tokens' quantized K/V"
+                        )
+                self.groups_checked += 1
+
+
 def step_checks(driver: MemoryDriver, witness: KVWitness | None = None):
     """An ``on_step`` for ``generate`` checking, after every step, SGLang's busy-time
-    memory check, the radix cache's invariants, each request's eviction state and every
-    survivor's K/V bit for bit (``witness``)."""
+    memory check, the radix cache's invariants, each request's eviction state, every
+    survivor's K/V bit for bit (``witness``) and, with a tier, the arena's invariants
+    and every held group's bytes (``TierWitness``)."""
     from sglang_evict.srt.versioned import req_kv
     from tests.sglang_harness import sglang_checker
 
     manager, witness = driver.evictor, witness or KVWitness(driver)
+    tier = TierWitness(driver, witness) if driver.tier_arena is not None else None
+    check_tier = tier.check if tier is not None else lambda: None
 
     def check(*_):
         sglang_checker(driver).self_check_during_busy()
@@ -76,6 +111,11 @@ def step_checks(driver: MemoryDriver, witness: KVWitness | None = None):
         for req in driver.running.values():
             manager.check_request(req.rid, req_kv(req).kv_committed_len)
         witness.check()
+        if driver.tier_arena is not None:
+            driver.tier_arena.check()
+        check_tier()
+
+    check.tier = tier
 
     return check
 

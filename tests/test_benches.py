@@ -192,10 +192,12 @@ def test_scoring_bench_runs_its_smoke_configuration_on_cpu():
     assert "triattention x" in header and len(row.split()) == 5
 
 
-def test_compactor_bench_runs_its_smoke_configuration_on_cpu():
-    """Starts a real compactor process and times both compactors on the same plans."""
+@pytest.mark.parametrize("extra", [[], ["--tier-bits", "3"]], ids=["moves", "demotions"])
+def test_compactor_bench_runs_its_smoke_configuration_on_cpu(extra):
+    """Starts a real compactor process and times both compactors on the same plans
+    (with ``--tier-bits``, demotion passes into a tier arena shared with it)."""
     result = subprocess.run(
-        [sys.executable, str(BENCHES / "bench_compactor.py"), "--smoke"],
+        [sys.executable, str(BENCHES / "bench_compactor.py"), "--smoke", *extra],
         capture_output=True,
         text=True,
         timeout=300,
@@ -203,6 +205,7 @@ def test_compactor_bench_runs_its_smoke_configuration_on_cpu():
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert [line.split()[0] for line in lines[-3:]] == ["in-process", "sidecar", "added"]
+    assert ("groups of 16 demoted at 3 bits" in result.stdout) == bool(extra)
 
 
 @pytest.mark.engine

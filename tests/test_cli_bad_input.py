@@ -297,16 +297,15 @@ CASES = [
      "--kv-tier-bits with --decode-attention-backend triton: the tier's attention merges "
      "with one attention backend for the whole server, here --attention-backend "
      "torch_native; drop --decode-attention-backend", {}),
-    ("tier, sidecar", [*SERVE, "--kv-tier-bits", "3", *GRPC, "--dry-run", *LOCAL,
-                       "--attention-backend", "torch_native"],
-     "--kv-tier-bits with --kv-compactor grpc: the sidecar does not run the tier's", {}),
+    ("tier, sidecar on a GPU", [*SERVE, "--kv-tier-bits", "3", *GRPC, "--dry-run",
+                                "--model-path", "{model}", "--device", "cuda",
+                                "--attention-backend", "torch_native"],
+     "--kv-tier-bits with --kv-compactor grpc on cuda: the tier's arena is shared with the "
+     "sidecar on CPU only so far", {}),
     ("tier, fp8 KV", [*SERVE, "--kv-tier-bits", "3", "--dry-run", *LOCAL,
                       "--attention-backend", "torch_native", "--kv-cache-dtype", "fp8_e4m3"],
      "--kv-tier-bits with --kv-cache-dtype fp8_e4m3: the tier quantizes from a 16- or 32-bit",
      {}),
-    ("tier in demo with the sidecar",
-     ["demo", "--model", "tiny", "--kv-tier-bits", "3", "--kv-compactor", "grpc"],
-     "--kv-tier-bits with --kv-compactor grpc: the sidecar does not run the tier's", {}),
     ("tier flags without the tier's bits",
      ["serve", "--kv-budget", "256", "--kv-tier-group", "16", "--kv-tier-pool-share", "0.3",
       "--", "--model-path", "x"],

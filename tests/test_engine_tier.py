@@ -168,3 +168,48 @@ def test_retraction_with_the_tier_gives_it_back_and_re_prefills(engines, tier_mo
     engines.report("tier retraction", "SGLang's num_retractions", retractions)
     assert_clean_after(engine, mark)
     assert engine.plugin_state()["tier"]["groups_held"] == 0
+
+
+def test_the_tier_with_the_compactor_sidecar_equals_the_reference_loop(
+    engines, tier_model, tier_reference, prompts, tmp_path_factory
+):
+    """``--kv-compactor grpc`` with the tier: the sidecar (a real compactor process)
+    quantizes each pass's demotions into the arena the scheduler shares with it, then
+    moves the slots; the engine equals the reference loop (in-process demotion, the same
+    quantizer's bytes) and gives every group back."""
+    from tests.compactor_process import CompactorProcess
+
+    process = CompactorProcess(tmp_path_factory.mktemp("tier-sidecar")).start()
+    engine = None
+    try:
+        policy = policy_fields(
+            tier_bits=3, compactor="grpc", compactor_socket=str(process.socket), **TIER
+        )
+        engine = engines.get(
+            EngineSpec.plugin(4, engine_args={"model_path": str(tier_model)}, **policy)
+        )
+        new_tokens = NEW_TOKENS_BY_PAGE[4]
+        mark = engine.mark()
+        outputs = engine.generate(prompts, greedy(new_tokens))
+        reference = {k: v for k, v in policy.items() if not k.startswith("compactor")}
+        expected, result = reference_outputs(
+            tier_reference, prompts, new_tokens, page_size=4, policy=reference
+        )
+        assert_same_tokens([out["output_ids"] for out in outputs], expected)
+        assert any(r.tokens_dropped for _, _, r in result.passes)  # swaps ran too
+        compactor = engine.plugin_state()["compactor"]
+        stats = process.stats()
+        assert compactor["sidecar_passes"] > 0 and compactor["fallback_passes"] == 0, compactor
+        assert stats["groups_demoted"] > 0, stats
+        assert_clean_after(engine, mark)
+        assert engine.plugin_state()["tier"]["groups_held"] == 0
+        engines.report(
+            "tier page 4 3 bits, compactor sidecar",
+            "sidecar calls, groups the sidecar demoted",
+            f"{compactor['sidecar_passes']}, {stats['groups_demoted']}",
+        )
+    finally:
+        for key, live in list(engines.live.items()):  # its sidecar ends with this test
+            if live is engine:
+                engines.live.pop(key).close()
+        process.stop()

@@ -244,8 +244,8 @@ def test_replicas_sharing_redis_use_one_lease_namespace_per_pod(render, placemen
         ),
         (
             {"eviction": {"tier": {"bits": 3}}, "sglang": {"extraArgs": TIER_BACKEND}},
-            "eviction.tier.bits with compactor.enabled: the compactor sidecar does not "
-            "quantize yet",
+            "eviction.tier.bits with compactor.enabled: the sidecar demotes into the tier's "
+            "arena on CPU only so far",
         ),
         (
             {"eviction": {"tier": {"bits": 3}}, "compactor": {"enabled": False}},

@@ -167,7 +167,7 @@ class RegisterArenaResponse(_message.Message):
     def __init__(self, arena_bytes: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("rid", "page_size", "new_row_le64", "new_positions_le64", "src_slots_le64", "dst_slots_le64", "freed_pages_le64", "claimed_pages_le64")
+    __slots__ = ("rid", "page_size", "new_row_le64", "new_positions_le64", "src_slots_le64", "dst_slots_le64", "freed_pages_le64", "claimed_pages_le64", "demote_slots_le64", "demote_targets_le64", "arena_claimed_le64")
     RID_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     NEW_ROW_LE64_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,9 @@ class Plan(_message.Message):
     DST_SLOTS_LE64_FIELD_NUMBER: _ClassVar[int]
     FREED_PAGES_LE64_FIELD_NUMBER: _ClassVar[int]
     CLAIMED_PAGES_LE64_FIELD_NUMBER: _ClassVar[int]
+    DEMOTE_SLOTS_LE64_FIELD_NUMBER: _ClassVar[int]
+    DEMOTE_TARGETS_LE64_FIELD_NUMBER: _ClassVar[int]
+    ARENA_CLAIMED_LE64_FIELD_NUMBER: _ClassVar[int]
     rid: str
     page_size: int
     new_row_le64: bytes
@@ -184,7 +187,10 @@ class Plan(_message.Message):
     dst_slots_le64: bytes
     freed_pages_le64: bytes
     claimed_pages_le64: bytes
-    def __init__(self, rid: _Optional[str] = ..., page_size: _Optional[int] = ..., new_row_le64: _Optional[bytes] = ..., new_positions_le64: _Optional[bytes] = ..., src_slots_le64: _Optional[bytes] = ..., dst_slots_le64: _Optional[bytes] = ..., freed_pages_le64: _Optional[bytes] = ..., claimed_pages_le64: _Optional[bytes] = ...) -> None: ...
+    demote_slots_le64: bytes
+    demote_targets_le64: bytes
+    arena_claimed_le64: bytes
+    def __init__(self, rid: _Optional[str] = ..., page_size: _Optional[int] = ..., new_row_le64: _Optional[bytes] = ..., new_positions_le64: _Optional[bytes] = ..., src_slots_le64: _Optional[bytes] = ..., dst_slots_le64: _Optional[bytes] = ..., freed_pages_le64: _Optional[bytes] = ..., claimed_pages_le64: _Optional[bytes] = ..., demote_slots_le64: _Optional[bytes] = ..., demote_targets_le64: _Optional[bytes] = ..., arena_claimed_le64: _Optional[bytes] = ...) -> None: ...
 
 class LeaseClaim(_message.Message):
     __slots__ = ("resource", "fencing_token", "holder")
@@ -211,25 +217,27 @@ class CompactRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., claim: _Optional[_Union[LeaseClaim, _Mapping]] = ..., plans: _Optional[_Iterable[_Union[Plan, _Mapping]]] = ..., call_seq: _Optional[int] = ...) -> None: ...
 
 class CompactResponse(_message.Message):
-    __slots__ = ("slots_moved", "bytes_moved", "duration_s", "kernel", "epoch")
+    __slots__ = ("slots_moved", "bytes_moved", "duration_s", "kernel", "epoch", "groups_demoted")
     SLOTS_MOVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     KERNEL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_DEMOTED_FIELD_NUMBER: _ClassVar[int]
     slots_moved: int
     bytes_moved: int
     duration_s: float
     kernel: str
     epoch: int
-    def __init__(self, slots_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., duration_s: _Optional[float] = ..., kernel: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    groups_demoted: int
+    def __init__(self, slots_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., duration_s: _Optional[float] = ..., kernel: _Optional[str] = ..., epoch: _Optional[int] = ..., groups_demoted: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("pools", "passes", "passes_rejected", "slots_moved", "bytes_moved", "kernel_seconds", "epoch_base", "pools_expired")
+    __slots__ = ("pools", "passes", "passes_rejected", "slots_moved", "bytes_moved", "kernel_seconds", "epoch_base", "pools_expired", "groups_demoted")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     PASSES_FIELD_NUMBER: _ClassVar[int]
     PASSES_REJECTED_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +246,7 @@ class StatsResponse(_message.Message):
     KERNEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_BASE_FIELD_NUMBER: _ClassVar[int]
     POOLS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_DEMOTED_FIELD_NUMBER: _ClassVar[int]
     pools: int
     passes: int
     passes_rejected: int
@@ -246,4 +255,5 @@ class StatsResponse(_message.Message):
     kernel_seconds: float
     epoch_base: int
     pools_expired: int
-    def __init__(self, pools: _Optional[int] = ..., passes: _Optional[int] = ..., passes_rejected: _Optional[int] = ..., slots_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., kernel_seconds: _Optional[float] = ..., epoch_base: _Optional[int] = ..., pools_expired: _Optional[int] = ...) -> None: ...
+    groups_demoted: int
+    def __init__(self, pools: _Optional[int] = ..., passes: _Optional[int] = ..., passes_rejected: _Optional[int] = ..., slots_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., kernel_seconds: _Optional[float] = ..., epoch_base: _Optional[int] = ..., pools_expired: _Optional[int] = ..., groups_demoted: _Optional[int] = ...) -> None: ...

@@ -71,6 +71,7 @@ held in full precision.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -176,6 +177,8 @@ class EvictionManager:
     # The quantized tier's storage (``sglang_evict.tier.arena``), attached by whoever
     # sized it (the driver, the engine adapter) when the config asks for a tier.
     tier_arena: TierArena | None = None
+    # Tier demotions the sidecar could not take, by cause (``tier.demotion``).
+    tier_fallbacks: Counter = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         if self.config.page_size != self.pool.page_size:
@@ -549,8 +552,10 @@ class EvictionManager:
                 if lease is not None:
                     span.set_attribute(tracing.ATTR_FENCING_TOKEN, lease.token)
                 try:
+                    prepared = demotion[0] if demotion else None
+                    fields = prepared.plan_fields() if prepared and prepared.sidecar else None
                     with tracing.tracer().start_as_current_span(tracing.SPAN_RPC):
-                        copies = self._move(plan, counts, self.lease.claim(lease))
+                        copies = self._move(plan, counts, self.lease.claim(lease), fields)
                 finally:
                     self.lease.release(lease)
                 written = (columns, rows_raw, plan, scores)
@@ -589,9 +594,14 @@ class EvictionManager:
         """``passes.device_work.device_pass`` on this manager: what a replayed pass runs."""
         return device_pass(self, step, packed, staging)
 
-    def _move(self, plan: BatchPlan, counts: BatchCounts, claim: LeaseClaim | None) -> Tensor:
-        """``moves.move_slots`` on this manager's pool and compactor."""
-        copies, forced = move_slots(self.pool, self.compactor, self.lease, plan, counts, claim)
+    def _move(
+        self, plan: BatchPlan, counts: BatchCounts, claim: LeaseClaim | None, demotions=None
+    ) -> Tensor:
+        """``moves.move_slots`` on this manager's pool and compactor (``demotions``: the
+        sidecar's part of the tier's demotion, ``tier.demotion.Demotion.plan_fields``)."""
+        copies, forced = move_slots(
+            self.pool, self.compactor, self.lease, plan, counts, claim, demotions
+        )
         self.forced_completions += forced
         return copies
 

@@ -19,6 +19,7 @@ failure.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -52,15 +53,20 @@ def move_slots(
     plan: BatchPlan,
     counts: BatchCounts,
     claim: LeaseClaim | None,
+    demotions: dict[int, dict[str, Tensor]] | None = None,
 ) -> tuple[Tensor, bool]:
     """Move the slots of ``plan``; returns the copies per request (``[R]``, on the
     device for in-process moves) and whether the pass had to be completed in-process
-    after the sidecar failed mid-call. Raises only when nothing moved."""
+    after the sidecar failed mid-call. Raises only when nothing moved. ``demotions``:
+    request index -> its plan's demotion fields (the sidecar quantizes them first:
+    ``compactor.in_two_phases``, so a completion here finds them done)."""
     src, dst = plan.src.reshape(-1), plan.dst.reshape(-1)
     if compactor is None:
         repack_kv_independent(pool.k_buffers, pool.v_buffers, src, dst)
         return plan.move_counts(), False
     host_plans = plan.to_host_plans(counts.survivors.tolist(), counts.frozen_len.tolist())
+    for index, fields in (demotions or {}).items():
+        host_plans[index] = dataclasses.replace(host_plans[index], **fields)
     forced = False
     try:
         compactor.compact(host_plans, claim)

@@ -27,6 +27,7 @@ from sglang_evict.srt.versioned import (
     req_kv,
     set_prefilled,
 )
+from sglang_evict.tier.demotion import attach_arena
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,10 @@ class MemoryDriver:
         self.device = device
         self.page_size = page_size
         # The tier's arena is a share of the KV memory: the pool gives up its slots.
-        self.tier_arena = None
+        self.tier_arena = self.shared_arena = None
         self.kv_memory_tokens = num_tokens  # the KV memory, in full-precision slots
         if config is not None and config.tier_bits is not None:
-            self.tier_arena, num_tokens = _carve_tier(
+            self.tier_arena, self.shared_arena, num_tokens = _carve_tier(
                 config,
                 num_tokens=num_tokens,
                 page_size=page_size,
@@ -153,8 +154,8 @@ class MemoryDriver:
             else RadixCache(self.cache_params)
         )
         manager = self.evictor
-        if manager is not None:
-            manager.tier_arena = self.tier_arena
+        if manager is not None and self.tier_arena is not None:
+            attach_arena(manager, self.tier_arena, self.shared_arena)
         if manager is not None and manager.scorer.needs_queries and num_q_heads is not None:
             shape = RingShape(
                 num_layers=num_layers,
@@ -347,11 +348,12 @@ def _carve_tier(
     dtype: torch.dtype,
     device: str,
 ):
-    """``(arena, pool tokens)``: the tier's arena sized as ``config.tier_pool_share`` of
-    ``num_tokens`` slots' KV memory, the pool keeping the whole pages left: the plan
-    SGLang's engine makes (``srt.tier.plan_tier``)."""
+    """``(arena, its SharedArena or None, pool tokens)``: the tier's arena sized as
+    ``config.tier_pool_share`` of ``num_tokens`` slots' KV memory, the pool keeping the
+    whole pages left: the plan SGLang's engine makes (``srt.tier.plan_tier``); shared
+    with the compactor sidecar when the config uses one."""
     from sglang_evict.srt.tier import plan_tier
-    from sglang_evict.tier.arena import TierArena
+    from sglang_evict.tier.arena import make_arena
 
     slot_bytes = (
         2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -366,12 +368,13 @@ def _carve_tier(
         full_dtype=dtype,
         page_size=page_size,
     )
-    arena = TierArena(
+    arena, shared = make_arena(
         config.tier_format(head_dim),
         num_groups=plan.num_groups,
         num_layers=num_layers,
         kv_heads=num_kv_heads,
         full_dtype=dtype,
         device=device,
+        shared_dir=config.shm_dir if config.compactor == "grpc" else None,
     )
-    return arena, plan.pool_tokens_after
+    return arena, shared, plan.pool_tokens_after

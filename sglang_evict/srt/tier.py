@@ -61,6 +61,7 @@ from sglang_evict.srt.capture import kv_bytes_per_token_of, plugin_policy
 from sglang_evict.srt.server_args import TIER_BACKENDS, tier_backend_refused
 from sglang_evict.srt.versioned import attention_tp_size
 from sglang_evict.srt.windows import layer_window
+from sglang_evict.tier.demotion import attach_arena
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class _Tier:
 
     plan: TierPlan | None = None
     arena: object | None = None  # sglang_evict.tier.arena.TierArena
+    shared_arena: object | None = None  # its SharedArena with the compactor sidecar
     # decode layers merged, decode layers with no tier to merge, and the merges whose
     # full side's log-sum-exp came from triton's split-KV stage 1 (the rest: computed
     # again over the keys torch_native read)
@@ -215,16 +217,17 @@ def _after_alloc_memory_pool(result, model_runner, *args, **kwargs):
     plan = STATE.plan
     if plan is None or model_runner.is_draft_worker:
         return result
-    from sglang_evict.tier.arena import TierArena
+    from sglang_evict.tier.arena import make_arena
 
     config = plan.config
-    arena = TierArena(
+    arena, STATE.shared_arena = make_arena(
         config.tier_format(plan.head_dim),
         num_groups=plan.num_groups,
         num_layers=plan.num_layers,
         kv_heads=plan.kv_heads,
         full_dtype=plan.full_dtype,
         device=model_runner.device,
+        shared_dir=config.shm_dir if config.compactor == "grpc" else None,
     )
     rows = model_runner.req_to_token_pool.req_to_token.shape[0]
     arena.enable_rows(rows, config.tier_max_tokens // config.tier_group_tokens)
@@ -280,7 +283,7 @@ def attach(manager, model_runner) -> None:
             "--kv-tier-bits is set but no tier arena was made when SGLang sized its memory "
             "pools (a draft or unified-memory pool?); drop --kv-tier-*"
         )
-    manager.tier_arena = STATE.arena
+    attach_arena(manager, STATE.arena, STATE.shared_arena)
 
 
 def _after_attention_forward(result, backend, *args, **kwargs):

@@ -175,6 +175,30 @@ class TierArena:
         self._publish(rid)
         return got
 
+    def take_claimed(self, claims: list[tuple[str, int | None, list[int], int, list[int]]]) -> None:
+        """A sidecar demotion's commit (``tier.demotion``): ``claims`` holds, request
+        after request, ``(rid, row, claimed, used, released)``, where ``claimed`` are
+        the next free slots in ``peek`` order; each request keeps the first ``used`` of
+        them and gives up ``released`` (old slots its swaps replace); the claimed slots
+        it did not use go back to the free list."""
+        expected = [slot for _, _, claimed, _, _ in claims for slot in claimed]
+        if self.peek(len(expected)) != expected:
+            raise AssertionError("a demotion's claimed tier slots are no longer the next free")
+        del self._free[len(self._free) - len(expected) :]
+        for rid, row, claimed, used, released in claims:
+            if row is not None and self.row_table is not None:
+                self.row_of[rid] = row
+            gone = set(released)
+            if not gone <= set(self.owned.get(rid, ())):
+                raise AssertionError(f"request {rid} gives up tier slots it does not own")
+            kept = [slot for slot in self.owned.get(rid, []) if slot not in gone]
+            self.owned[rid] = kept + claimed[:used]
+            self._free.extend(reversed(claimed[used:]))
+            self._free.extend(released)
+            if not self.owned[rid]:
+                del self.owned[rid]
+            self._publish(rid)
+
     def release(self, rid: str) -> int:
         """Give back every slot ``rid`` owns (finish, abort, retraction); the count."""
         slots = self.owned.pop(rid, [])
@@ -265,3 +289,50 @@ class TierArena:
                 )
             if slots and sorted(self.row_table[row, :count].cpu().tolist()) != sorted(slots):
                 raise AssertionError(f"row {row}'s tier table differs from {rid}'s slots")
+
+
+def make_arena(
+    fmt: TierFormat,
+    *,
+    num_groups: int,
+    num_layers: int,
+    kv_heads: int,
+    full_dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    shared_dir: str | None = None,
+):
+    """``(TierArena, SharedArena or None)``: with ``shared_dir`` (the compactor
+    sidecar's pool directory) the arena's stores live in a file the sidecar maps
+    (``compactor_service.shared_arena``; CPU only), closed at exit; otherwise in this
+    process's memory."""
+    shared = None
+    if shared_dir is not None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(
+                "--kv-tier-bits with --kv-compactor grpc on a GPU: the tier's arena is "
+                "shared with the sidecar on CPU only so far (its CUDA IPC export is not "
+                "built); use --kv-compactor inprocess"
+            )
+        import atexit
+
+        from compactor_service.shared_arena import create_shared_arena
+
+        shared = create_shared_arena(
+            fmt,
+            num_groups=num_groups,
+            num_layers=num_layers,
+            kv_heads=kv_heads,
+            full_dtype=full_dtype,
+            directory=shared_dir,
+        )
+        atexit.register(shared.close)
+    arena = TierArena(
+        fmt,
+        num_groups=num_groups,
+        num_layers=num_layers,
+        kv_heads=kv_heads,
+        full_dtype=full_dtype,
+        device=device,
+        stores=None if shared is None else shared.stores,
+    )
+    return arena, shared
