@@ -498,3 +498,28 @@ def test_tier_passes_on_a_gpu_equal_the_cpus(compaction):
         assert not differ, differ
     runs["cuda"].manager.tier_arena.check(4)  # tier_max_tokens / tier_group_tokens
     assert dropped > 0  # tiers filled and gave groups up
+
+
+def test_a_sidecar_commit_takes_its_claimed_slots_and_frees_what_its_swaps_replace():
+    """``take_claimed``: two requests claimed the next free slots in order; each keeps
+    the slots it used, gives up the old slots its swaps replaced, and the claimed slots
+    it did not use go back; a commit whose claims are no longer the next free slots is
+    refused before anything changes."""
+    from sglang_evict.tier.arena import TierArena
+    from sglang_evict_kernels.tier_format import TierFormat
+
+    fmt = TierFormat(bits=4, group_tokens=8, head_dim=64)
+    arena = TierArena(fmt, num_groups=10, num_layers=1, kv_heads=1, full_dtype=DTYPE)
+    arena.enable_rows(4, 4)
+    old_a = arena.take("a", 2, row=0)  # slots 0, 1
+    claims = arena.peek(5)  # a claims 3 (uses 2: one fresh, one swap), b claims 2
+    arena.take_claimed([("a", 0, claims[:3], 2, [old_a[1]]), ("b", 1, claims[3:], 2, [])])
+    assert sorted(arena.groups_of("a")) == sorted([old_a[0], *claims[:2]])
+    assert arena.groups_of("b") == claims[3:]
+    assert arena.free_groups == 10 - 3 - 2
+    assert claims[2] in arena.peek(arena.free_groups) and old_a[1] in arena.peek(arena.free_groups)
+    arena.check(4)
+    before = (dict(arena.owned), arena.free_groups)
+    with pytest.raises(AssertionError, match="no longer the next free"):
+        arena.take_claimed([("b", 1, [old_a[0]], 1, [])])  # a's slot: not free
+    assert (dict(arena.owned), arena.free_groups) == before
