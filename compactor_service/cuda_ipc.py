@@ -63,6 +63,13 @@ NO_REF_COUNTER = b""  # see the module docstring
 
 def check_cuda_buffer(name: str, buffer: CudaIpcBuffer, layout: PoolLayout) -> None:
     """Structural checks of one export (no CUDA call): raise ``PoolMappingError``."""
+    itemsize = DTYPES[layout.dtype].itemsize
+    check_ipc_handle(name, buffer, layout.buffer_bytes, itemsize)
+
+
+def check_ipc_handle(name: str, buffer: CudaIpcBuffer, nbytes: int, itemsize: int = 1) -> None:
+    """Structural checks of one export of ``nbytes`` (elements of ``itemsize`` bytes)
+    with no CUDA call: raise ``PoolMappingError``."""
     handle = buffer.mem_handle
     if len(handle) != MEM_HANDLE_BYTES:
         raise PoolMappingError(
@@ -82,11 +89,12 @@ def check_cuda_buffer(name: str, buffer: CudaIpcBuffer, layout: PoolLayout) -> N
     for field in ("storage_offset_bytes", "storage_size_bytes"):
         if not 0 <= getattr(buffer, field) <= MAX_STORAGE_BYTES:
             raise PoolMappingError(f"{name}.cuda.{field} is out of range")
-    itemsize = DTYPES[layout.dtype].itemsize
-    end_bytes = (buffer.tensor_offset * itemsize) + layout.buffer_bytes
+    if not 0 <= buffer.tensor_offset <= MAX_STORAGE_BYTES:
+        raise PoolMappingError(f"{name}.cuda.tensor_offset is out of range")
+    end_bytes = (buffer.tensor_offset * itemsize) + nbytes
     if end_bytes > buffer.storage_size_bytes:
         raise PoolMappingError(
-            f"{name}: the buffer ({layout.buffer_bytes} bytes at element "
+            f"{name}: the buffer ({nbytes} bytes at element "
             f"{buffer.tensor_offset}) does not fit its storage ({buffer.storage_size_bytes} "
             f"bytes)"
         )
@@ -109,7 +117,7 @@ def _allocation_range(ptr: int) -> tuple[int, int]:
     return base.value, size.value
 
 
-def _open_storage(name: str, buffer: CudaIpcBuffer, device_index: int):
+def open_storage(name: str, buffer: CudaIpcBuffer, device_index: int):
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
             device_index,
@@ -159,7 +167,7 @@ def open_cuda_buffers(layout: PoolLayout) -> tuple[list[Tensor], list[Tensor]]:
     buffers = []
     with torch.cuda.device(layout.device_index):
         for name, handle in layout.handles():
-            storage = _open_storage(name, handle.cuda, layout.device_index)
+            storage = open_storage(name, handle.cuda, layout.device_index)
             empty = torch.empty((0,), dtype=dtype, device=storage.device)
             buffers.append(empty.set_(storage, handle.cuda.tensor_offset, shape, stride))
     return buffers[: layout.num_layers], buffers[layout.num_layers :]

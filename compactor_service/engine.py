@@ -48,7 +48,9 @@ from compactor_service.shared_arena import (
     ArenaFile,
     ArenaLayout,
     ArenaMappingError,
+    CudaArena,
     open_arena_file,
+    open_cuda_arena,
 )
 from compactor_service.shared_pool import (
     DEVICE_CUDA,
@@ -102,7 +104,7 @@ class _Pool:
     # none gets the deadline check alone.
     fence: CompactorFence | None = None
     # The pool's tier arena (``compactor_service.shared_arena``), once registered.
-    arena: ArenaFile | None = None
+    arena: ArenaFile | CudaArena | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self) -> None:
@@ -234,14 +236,12 @@ class CompactorEngine:
         pool = self.pool(pool_id, epoch)
         layout.validate()
         layout.check_matches(pool.layout)
+        if layout.device == DEVICE_CUDA:
+            return self._register_cuda_arena(pool, layout)
         if self.pool_dir is None:
             raise PoolFileRefused("this compactor has no pool directory: arenas are refused")
         with pool.lock:
-            if pool.arena is not None:
-                raise ArenaMappingError(
-                    f"pool {clip(pool_id)} has its arena already: register the pool again "
-                    f"to give it another"
-                )
+            self._check_no_arena(pool)
             fd = open_arena_file(self.pool_dir, layout)
             try:
                 if isinstance(pool.compactor, FileCompactor):
@@ -260,6 +260,25 @@ class CompactorEngine:
         # Load (on a new machine: build) the tier's CPU quantizer now, not inside the
         # first demotion's deadline.
         quantize_function("cpu")
+        return layout.file_bytes
+
+    @staticmethod
+    def _check_no_arena(pool: _Pool) -> None:
+        if pool.arena is not None:
+            raise ArenaMappingError(
+                f"pool {clip(pool.pool_id)} has its arena already: register the pool again "
+                f"to give it another"
+            )
+
+    def _register_cuda_arena(self, pool: _Pool, layout: ArenaLayout) -> int:
+        """A CUDA pool's arena, opened by IPC (``shared_arena.open_cuda_arena``); its
+        demotions run the tier's quantizer on the pool's device (not run in CI)."""
+        with pool.lock:
+            self._check_no_arena(pool)
+            arena = open_cuda_arena(layout)
+            pool.arena = arena
+            pool.compactor.attach_arena(arena.stores, layout.format())
+            self._renew(pool)
         return layout.file_bytes
 
     def unregister_pool(self, pool_id: str, epoch: int) -> None:

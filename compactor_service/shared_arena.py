@@ -24,6 +24,7 @@ from its message.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import uuid
@@ -32,12 +33,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from compactor_service.cuda_ipc import check_ipc_handle, open_storage
 from compactor_service.limits import MAX_DEVICE_INDEX, MAX_LAYERS, clip
 from compactor_service.runtime_dir import ensure_private_dir
 from compactor_service.shared_pool import (
     DEVICE_CPU,
     DEVICE_CUDA,
     DTYPES,
+    CudaIpcBuffer,
     PoolDeviceUnavailable,
     PoolDirectory,
     PoolLayout,
@@ -94,6 +97,7 @@ class ArenaLayout:
     device: str
     device_index: int = 0
     shm_path: str = ""  # CPU: the arena's file
+    cuda: CudaIpcBuffer | None = None  # CUDA: the arena's one allocation, exported
 
     def format(self) -> TierFormat:
         """The tier format, or ``ArenaMappingError`` naming what its kernels refuse."""
@@ -165,13 +169,16 @@ class ArenaLayout:
                 f"arena.device_index {self.device_index} is outside [0, {MAX_DEVICE_INDEX}]"
             )
         self.format()
-        if self.device == DEVICE_CPU and not self.shm_path:
-            raise ArenaMappingError("arena.shm_path: a CPU arena names its file")
-        if self.device == DEVICE_CUDA:
-            raise PoolDeviceUnavailable(
-                "a CUDA tier arena cannot be registered with the compactor yet (its IPC "
-                "export is not built); run the tier with --kv-compactor inprocess"
+        if self.device == DEVICE_CPU and (not self.shm_path or self.cuda is not None):
+            raise ArenaMappingError(
+                "arena.shm_path: a CPU arena names its file (and carries no CUDA export)"
             )
+        if self.device == DEVICE_CUDA:
+            if self.cuda is None or self.shm_path:
+                raise ArenaMappingError(
+                    "arena.cuda: a CUDA arena carries its IPC export (and names no file)"
+                )
+            check_ipc_handle("arena", self.cuda, self.file_bytes)
 
     def check_matches(self, pool: PoolLayout) -> None:
         """Refuse an arena that is not its pool's: another model's layers, heads, head
@@ -225,11 +232,13 @@ class SharedArena:
     """The scheduler's side of a CPU shared arena: per-layer stores viewing one file.
     ``close`` removes the file (mappings stay valid until their tensors are dropped)."""
 
-    path: str
+    path: str  # "" for a CUDA arena (no file)
     stores: list[TierStore]
     layout: ArenaLayout
 
     def close(self) -> None:
+        if not self.path:
+            return
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -319,3 +328,66 @@ class ArenaFile:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def export_cuda_arena(
+    fmt: TierFormat,
+    *,
+    num_groups: int,
+    num_layers: int,
+    kv_heads: int,
+    full_dtype: torch.dtype,
+    device: torch.device | str,
+) -> SharedArena:
+    """Allocate a CUDA arena of ``num_groups`` groups as one device allocation (zeroed),
+    its stores views at the layout's offsets, and export it by CUDA IPC (as the KV
+    buffers are: ``cuda_ipc``; the scheduler keeps owning it)."""
+    device = torch.device(device)
+    layout = arena_layout_for(
+        fmt,
+        num_groups=num_groups,
+        num_layers=num_layers,
+        kv_heads=kv_heads,
+        full_dtype=full_dtype,
+        device=DEVICE_CUDA,
+    )
+    whole = torch.zeros(layout.file_bytes, dtype=torch.uint8, device=device)
+    _, mem_handle, size_bytes, offset_bytes, *_ = whole.untyped_storage()._share_cuda_()
+    export = CudaIpcBuffer(
+        mem_handle=bytes(mem_handle),
+        storage_offset_bytes=int(offset_bytes),
+        storage_size_bytes=int(size_bytes),
+        tensor_offset=int(whole.storage_offset()),
+    )
+    layout = dataclasses.replace(layout, device_index=device.index or 0, cuda=export)
+    layout.validate()
+    return SharedArena(path="", stores=stores_of(whole, layout), layout=layout)
+
+
+@dataclass
+class CudaArena:
+    """A registered CUDA arena as the compactor holds it: the stores over the opened
+    IPC allocation (``close`` drops them)."""
+
+    layout: ArenaLayout
+    stores: list[TierStore] | None
+
+    def close(self) -> None:
+        self.stores = None
+
+
+def open_cuda_arena(layout: ArenaLayout) -> CudaArena:
+    """Open a validated CUDA ``layout``'s allocation in this process: raises
+    ``PoolDeviceUnavailable`` without the device, ``PoolMappingError`` when the handle
+    does not open or the arena does not lie inside it; opens nothing then."""
+    if not torch.cuda.is_available() or layout.device_index >= torch.cuda.device_count():
+        raise PoolDeviceUnavailable(
+            f"arena.device_index {layout.device_index}: the compactor sees "
+            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA devices"
+        )
+    torch.cuda._lazy_init()
+    with torch.cuda.device(layout.device_index):
+        storage = open_storage("arena", layout.cuda, layout.device_index)
+        empty = torch.empty((0,), dtype=torch.uint8, device=storage.device)
+        whole = empty.set_(storage, layout.cuda.tensor_offset, (layout.file_bytes,), (1,))
+    return CudaArena(layout, stores_of(whole, layout))

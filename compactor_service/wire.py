@@ -74,29 +74,32 @@ def claim_from_proto(request: pb.CompactRequest) -> LeaseClaim | None:
     return LeaseClaim(resource=c.resource, token=int(c.fencing_token), holder=c.holder)
 
 
-def _handle_to_proto(h: BufferHandle) -> pb.BufferHandle:
-    if h.cuda is None:
-        return pb.BufferHandle(shm_path=h.shm_path, offset_bytes=h.offset_bytes)
-    return pb.BufferHandle(
-        cuda=pb.CudaIpcBuffer(
-            mem_handle=h.cuda.mem_handle,
-            storage_offset_bytes=h.cuda.storage_offset_bytes,
-            storage_size_bytes=h.cuda.storage_size_bytes,
-            tensor_offset=h.cuda.tensor_offset,
-        )
+def _cuda_to_proto(c: CudaIpcBuffer) -> pb.CudaIpcBuffer:
+    return pb.CudaIpcBuffer(
+        mem_handle=c.mem_handle,
+        storage_offset_bytes=c.storage_offset_bytes,
+        storage_size_bytes=c.storage_size_bytes,
+        tensor_offset=c.tensor_offset,
     )
 
 
+def _cuda_from_proto(c: pb.CudaIpcBuffer) -> CudaIpcBuffer:
+    return CudaIpcBuffer(
+        mem_handle=bytes(c.mem_handle),
+        storage_offset_bytes=int(c.storage_offset_bytes),
+        storage_size_bytes=int(c.storage_size_bytes),
+        tensor_offset=int(c.tensor_offset),
+    )
+
+
+def _handle_to_proto(h: BufferHandle) -> pb.BufferHandle:
+    if h.cuda is None:
+        return pb.BufferHandle(shm_path=h.shm_path, offset_bytes=h.offset_bytes)
+    return pb.BufferHandle(cuda=_cuda_to_proto(h.cuda))
+
+
 def _handle_from_proto(h: pb.BufferHandle) -> BufferHandle:
-    cuda = None
-    if h.HasField("cuda"):
-        c = h.cuda
-        cuda = CudaIpcBuffer(
-            mem_handle=bytes(c.mem_handle),
-            storage_offset_bytes=int(c.storage_offset_bytes),
-            storage_size_bytes=int(c.storage_size_bytes),
-            tensor_offset=int(c.tensor_offset),
-        )
+    cuda = _cuda_from_proto(h.cuda) if h.HasField("cuda") else None
     return BufferHandle(shm_path=h.shm_path, offset_bytes=int(h.offset_bytes), cuda=cuda)
 
 
@@ -161,6 +164,7 @@ def arena_layout_to_proto(layout: ArenaLayout) -> pb.ArenaLayout:
     return pb.ArenaLayout(
         **{name: getattr(layout, name) for name in _ARENA_FIELDS},
         device=_DEVICES[layout.device],
+        cuda=None if layout.cuda is None else _cuda_to_proto(layout.cuda),
     )
 
 
@@ -172,6 +176,7 @@ def arena_layout_from_proto(message: pb.ArenaLayout) -> ArenaLayout:
     layout = ArenaLayout(
         **{name: getattr(message, name) for name in _ARENA_FIELDS},
         device=_DEVICE_NAMES[message.device],
+        cuda=_cuda_from_proto(message.cuda) if message.HasField("cuda") else None,
     )
     layout.validate()
     return layout

@@ -159,11 +159,13 @@ stall)
   ;;
 tests)
   # The kernels on CUDA tensors (compiled, programs in parallel), the pass under
-  # set_sync_debug_mode("error"), the query ring in CUDA graphs, CUDA IPC to the sidecar.
+  # set_sync_debug_mode("error"), the query ring in CUDA graphs, CUDA IPC to the sidecar
+  # (the KV buffers, and the tier's arena it demotes into).
   timeout "${TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadgroup -ra \
     tests/test_kernels_tier.py tests/test_kernels_repack.py tests/test_kernels_scoring.py tests/test_batch_pass_hooks.py \
     tests/test_query_capture.py tests/test_compactor_service.py tests/test_static_shape_pass.py \
     "tests/test_tier_mechanism.py::test_tier_passes_on_a_gpu_equal_the_cpus" \
+    "tests/test_compactor_demotion.py::test_gpu_the_sidecar_demotes_into_a_cuda_arena_by_ipc" \
     2>&1 | tee "$out/pytest_gpu.log"
   # SGLang's GPU attention backends with query capture inside CUDA-graph replays.
   [ "${ENGINE_TESTS_TIMEOUT_S:-300}" = 0 ] || timeout "${ENGINE_TESTS_TIMEOUT_S:-300}" python3 -m pytest -q -p no:cacheprovider -n 0 -ra \

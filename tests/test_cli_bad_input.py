@@ -301,7 +301,7 @@ CASES = [
                                 "--model-path", "{model}", "--device", "cuda",
                                 "--attention-backend", "torch_native"],
      "--kv-tier-bits with --kv-compactor grpc on cuda: the tier's arena is shared with the "
-     "sidecar on CPU only so far", {}),
+     "sidecar on CPU only so far (its CUDA IPC export has not run on a GPU yet)", {}),
     ("tier, fp8 KV", [*SERVE, "--kv-tier-bits", "3", "--dry-run", *LOCAL,
                       "--attention-backend", "torch_native", "--kv-cache-dtype", "fp8_e4m3"],
      "--kv-tier-bits with --kv-cache-dtype fp8_e4m3: the tier quantizes from a 16- or 32-bit",

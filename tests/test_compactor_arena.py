@@ -181,12 +181,46 @@ def _bad_layouts(pool, arena):
             grpc.StatusCode.INVALID_ARGUMENT,
             "scale_dtype",
         ),
-        "a CUDA arena": (
+        "a CUDA arena without its export": (
             dataclasses.replace(layout, device="cuda", shm_path=""),
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "CUDA tier arena",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "a CUDA arena carries its IPC export",
+        ),
+        "a CUDA arena for a CPU pool": (
+            dataclasses.replace(layout, device="cuda", shm_path="", cuda=fake_cuda_export(layout)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "arena.device is 'cuda', its pool's is 'cpu'",
         ),
     }
+
+
+def fake_cuda_export(layout):
+    """A structurally valid CUDA IPC export of an arena of ``layout``'s size (its handle
+    opens nothing: no CUDA call is made before the structural checks refuse)."""
+    from compactor_service.shared_pool import CudaIpcBuffer
+
+    return CudaIpcBuffer(
+        mem_handle=bytes([2, ord("c")]) + bytes(64),
+        storage_offset_bytes=0,
+        storage_size_bytes=layout.file_bytes,
+        tensor_offset=0,
+    )
+
+
+def test_a_cuda_arena_layout_crosses_the_wire_whole_and_its_export_is_checked(arena):
+    from compactor_service.shared_arena import ArenaMappingError, PoolMappingError
+    from compactor_service.wire import arena_layout_from_proto, arena_layout_to_proto
+
+    cuda = dataclasses.replace(arena.layout, device="cuda", shm_path="")
+    cuda = dataclasses.replace(cuda, cuda=fake_cuda_export(cuda))
+    assert arena_layout_from_proto(arena_layout_to_proto(cuda)) == cuda
+    short = dataclasses.replace(
+        cuda, cuda=dataclasses.replace(cuda.cuda, storage_size_bytes=cuda.file_bytes - 1)
+    )
+    with pytest.raises(PoolMappingError, match="does not fit its storage"):
+        short.validate()
+    with pytest.raises(ArenaMappingError, match="carries no CUDA export"):
+        dataclasses.replace(arena.layout, cuda=cuda.cuda).validate()
 
 
 @pytest.mark.parametrize(
@@ -199,7 +233,8 @@ def _bad_layouts(pool, arena):
         "another head dim than the pool's",
         "another KV dtype",
         "an unknown scale dtype",
-        "a CUDA arena",
+        "a CUDA arena without its export",
+        "a CUDA arena for a CPU pool",
     ],
 )
 def test_a_wrong_arena_is_refused_with_its_status(compactor, pool, arena, case):

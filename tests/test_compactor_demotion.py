@@ -274,3 +274,37 @@ def test_a_demoting_pass_is_two_calls_demotions_first():
     calls.clear()
     in_two_phases(record, [p.without_demotion() for p in plans], None)
     assert len(calls) == 1  # nothing to order: one call
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU (not in CI)")
+def test_gpu_the_sidecar_demotes_into_a_cuda_arena_by_ipc(compactor):
+    """GPU only: the scheduler's CUDA pool and tier arena exported by IPC; the sidecar
+    quantizes each demotion on the device into the arena, the bytes those of the tier's
+    quantizer in this process, then moves the slots."""
+    from compactor_service.cuda_ipc import export_cuda_buffers
+    from compactor_service.shared_arena import export_cuda_arena
+
+    k, v = random_pool(seed=4)
+    k, v = [b.cuda() for b in k], [b.cuda() for b in v]
+    plans = two_plans()
+    want = expected_groups(k, v, plans)
+    k_ref, v_ref = [b.clone() for b in k], [b.clone() for b in v]
+    for plan in plans:
+        repack_kv_reference(k_ref, v_ref, plan.src_slots.cuda(), plan.dst_slots.cuda())
+    arena = export_cuda_arena(
+        FMT,
+        num_groups=GROUPS,
+        num_layers=LAYERS,
+        kv_heads=HEADS,
+        full_dtype=torch.bfloat16,
+        device="cuda",
+    )
+    client = GrpcCompactor(
+        compactor.target, export_cuda_buffers(k, v, PAGE), timeout_s=120, arena=arena.layout
+    )
+    result = client.compact(plans)
+    client.close()
+    torch.cuda.synchronize()
+    assert result.groups_demoted == 2
+    assert same_groups(arena.stores, torch.tensor([1, 4], device="cuda"), want)
+    assert all(torch.equal(a, b) for a, b in zip(k + v, k_ref + v_ref, strict=True))

@@ -121,7 +121,7 @@ class UnregisterPoolResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ArenaLayout(_message.Message):
-    __slots__ = ("bits", "group_tokens", "value_group_channels", "outlier_tokens", "head_dim", "scale_dtype", "full_dtype", "num_layers", "num_slots", "num_kv_heads", "device", "device_index", "shm_path")
+    __slots__ = ("bits", "group_tokens", "value_group_channels", "outlier_tokens", "head_dim", "scale_dtype", "full_dtype", "num_layers", "num_slots", "num_kv_heads", "device", "device_index", "shm_path", "cuda")
     BITS_FIELD_NUMBER: _ClassVar[int]
     GROUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VALUE_GROUP_CHANNELS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class ArenaLayout(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
     bits: int
     group_tokens: int
     value_group_channels: int
@@ -148,7 +149,8 @@ class ArenaLayout(_message.Message):
     device: Device
     device_index: int
     shm_path: str
-    def __init__(self, bits: _Optional[int] = ..., group_tokens: _Optional[int] = ..., value_group_channels: _Optional[int] = ..., outlier_tokens: _Optional[int] = ..., head_dim: _Optional[int] = ..., scale_dtype: _Optional[str] = ..., full_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., device: _Optional[_Union[Device, str]] = ..., device_index: _Optional[int] = ..., shm_path: _Optional[str] = ...) -> None: ...
+    cuda: CudaIpcBuffer
+    def __init__(self, bits: _Optional[int] = ..., group_tokens: _Optional[int] = ..., value_group_channels: _Optional[int] = ..., outlier_tokens: _Optional[int] = ..., head_dim: _Optional[int] = ..., scale_dtype: _Optional[str] = ..., full_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., device: _Optional[_Union[Device, str]] = ..., device_index: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
 
 class RegisterArenaRequest(_message.Message):
     __slots__ = ("pool_id", "epoch", "layout")

@@ -385,11 +385,11 @@ def _tier_problems(server_args, config: EvictionConfig) -> list[str]:
             f"--kv-tier-bits with --kv-cache-dtype {kv_dtype}: the tier quantizes from a "
             f"16- or 32-bit KV cache only; drop one of the two"
         )
-    if config.compactor == "grpc" and device != "cpu":
+    if config.compactor == "grpc" and device != "cpu" and os.environ.get(TIER_GPU_TRIAL_ENV) != "1":
         problems.append(
             f"--kv-tier-bits with --kv-compactor grpc on {device}: the tier's arena is shared "
-            f"with the sidecar on CPU only so far (its CUDA IPC export is not built); use "
-            f"--kv-compactor inprocess or drop --kv-tier-*"
+            f"with the sidecar on CPU only so far (its CUDA IPC export has not run on a GPU "
+            f"yet); use --kv-compactor inprocess or drop --kv-tier-*"
         )
     if getattr(server_args, "enable_torch_compile", False):
         problems.append(

@@ -302,17 +302,23 @@ def make_arena(
     shared_dir: str | None = None,
 ):
     """``(TierArena, SharedArena or None)``: with ``shared_dir`` (the compactor
-    sidecar's pool directory) the arena's stores live in a file the sidecar maps
-    (``compactor_service.shared_arena``; CPU only), closed at exit; otherwise in this
+    sidecar's pool directory) the arena's stores live where the sidecar maps them
+    (``compactor_service.shared_arena``): a file of that directory on CPU (removed at
+    exit), one device allocation exported by CUDA IPC on a GPU; otherwise in this
     process's memory."""
     shared = None
-    if shared_dir is not None:
-        if torch.device(device).type != "cpu":
-            raise ValueError(
-                "--kv-tier-bits with --kv-compactor grpc on a GPU: the tier's arena is "
-                "shared with the sidecar on CPU only so far (its CUDA IPC export is not "
-                "built); use --kv-compactor inprocess"
-            )
+    if shared_dir is not None and torch.device(device).type == "cuda":
+        from compactor_service.shared_arena import export_cuda_arena
+
+        shared = export_cuda_arena(
+            fmt,
+            num_groups=num_groups,
+            num_layers=num_layers,
+            kv_heads=kv_heads,
+            full_dtype=full_dtype,
+            device=device,
+        )
+    elif shared_dir is not None:
         import atexit
 
         from compactor_service.shared_arena import create_shared_arena

@@ -366,7 +366,7 @@ Mirrors what `sglang-evict serve` and EvictionConfig refuse, so a bad release fa
 {{- end -}}
 {{- if $e.tier.bits -}}
 {{- if include "sglang-evict.compactorEnabled" . -}}
-{{- fail "eviction.tier.bits with compactor.enabled: the sidecar demotes into the tier's arena on CPU only so far (the arena's CUDA IPC export is not built), and this chart serves on GPUs; set compactor.enabled=false (the scheduler compacts in-process)" -}}
+{{- fail "eviction.tier.bits with compactor.enabled: the sidecar demotes into the tier's arena on CPU only so far (the arena's CUDA IPC export has not run on a GPU yet), and this chart serves on GPUs; set compactor.enabled=false (the scheduler compacts in-process)" -}}
 {{- end -}}
 {{- $backend := "" -}}
 {{- range $i, $arg := .Values.sglang.extraArgs -}}
