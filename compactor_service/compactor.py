@@ -379,16 +379,16 @@ class InProcessCompactor:
 
 
 class FileCompactor(InProcessCompactor):
-    """The compactor over a CPU pool's file, read and written with ``pread``/``pwrite``
-    (``shared_pool.PoolFile``) instead of a mapping: a client that truncates its file
-    makes a copy fail (``PoolFileTruncated``), never the compactor fault (SIGBUS)."""
+    """The compactor over a CPU pool's file (``shared_pool.PoolFile``): through its
+    guarded mapping once that is ready, else with ``pread``/``pwrite``; a client that
+    truncates its file makes a copy fail (``PoolFileTruncated``), never the compactor
+    fault (SIGBUS)."""
 
     def __init__(
         self, pool_file, leases: LeaseStore | None = None, page_size: int | None = None
     ) -> None:
         self._set_checks(leases, page_size)
         self.pool_file = pool_file
-        self.kernel = pool_file.KERNEL
         self.synchronize = False
         self.num_slots = pool_file.layout.num_slots
         self.bytes_per_slot = pool_file.bytes_per_slot
@@ -402,6 +402,10 @@ class FileCompactor(InProcessCompactor):
         if self.arena_file is None:
             return None, 0
         return self.arena_file.layout.format(), self.arena_file.layout.num_slots
+
+    @property
+    def kernel(self) -> str:
+        return self.pool_file.kernel
 
     def demote(self, token_slots: Tensor, targets: Tensor) -> None:
         demotion.demote_files(self.pool_file, self.arena_file, token_slots, targets)

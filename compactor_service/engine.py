@@ -60,6 +60,7 @@ from compactor_service.shared_pool import (
     PoolFileTruncated,
     PoolLayout,
 )
+from sglang_evict_kernels import guarded_copy
 from sglang_evict_kernels.tier_quant import quantize_function
 
 MAX_CLIENT_ID_CHARS = 256
@@ -156,6 +157,8 @@ class CompactorEngine:
         self._lock = threading.Lock()
         self._last_epoch = 0
         self.epoch_base = self._next_epoch()
+        if pool_dir is not None:  # CPU pool files: copies through a guarded mapping
+            guarded_copy.start_loading()
 
     def _next_epoch(self) -> int:
         with self._lock:

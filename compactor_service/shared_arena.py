@@ -41,6 +41,7 @@ from compactor_service.shared_pool import (
     DEVICE_CUDA,
     DTYPES,
     CudaIpcBuffer,
+    GuardedMapping,
     PoolDeviceUnavailable,
     PoolDirectory,
     PoolLayout,
@@ -299,20 +300,36 @@ def open_arena_file(directory: PoolDirectory, layout: ArenaLayout) -> int:
 
 
 class ArenaFile:
-    """A registered CPU arena as the compactor sees it: the file's descriptor (never a
-    mapping, for the reason ``shared_pool.PoolFile`` gives)."""
+    """A registered CPU arena as the compactor sees it: the file's descriptor, written
+    through its guarded mapping once that is ready (``shared_pool.GuardedMapping``, for
+    the reason ``shared_pool.PoolFile`` gives), else with ``pwrite``."""
 
     def __init__(self, fd: int, layout: ArenaLayout) -> None:
         self.fd = fd
         self.layout = layout
         self.specs = layout.tensor_specs()
+        self.file_bytes = layout.file_bytes  # computed once: it walks every spec
+        self.mapping = GuardedMapping.of(fd, self.file_bytes)
+
+    def _truncated(self) -> ArenaMappingError:
+        return ArenaMappingError(
+            f"the arena's file {clip(self.layout.shm_path)} ended under a write: its client "
+            f"truncated it"
+        )
 
     def write_rows(self, spec: TensorSpec, slots: Tensor, rows: Tensor) -> None:
         """Write ``rows`` (one per slot, ``spec``'s row shape) at ``slots`` of the file's
-        tensor ``spec``, through the descriptor: one call per run of consecutive
-        slots."""
+        tensor ``spec``: through the mapping, or through the descriptor with one call
+        per run of consecutive slots."""
         row_bytes = spec.nbytes // spec.shape[0]
         if row_bytes == 0 or not len(slots):
+            return
+        if self.mapping.ready():
+            if os.fstat(self.fd).st_size < self.file_bytes:
+                raise self._truncated()
+            offsets = spec.offset_bytes + slots.numpy().astype("int64") * row_bytes
+            if not self.mapping.scatter(offsets, row_bytes, rows):
+                raise self._truncated()
             return
         data = rows.contiguous().view(torch.uint8).reshape(-1).numpy()
         done = 0
@@ -320,13 +337,11 @@ class ArenaFile:
             chunk = data[done * row_bytes : (done + count) * row_bytes]
             written = os.pwrite(self.fd, chunk, spec.offset_bytes + first * row_bytes)
             if written != count * row_bytes:
-                raise ArenaMappingError(
-                    f"the arena's file {clip(self.layout.shm_path)} ended under a write: its "
-                    f"client truncated it"
-                )
+                raise self._truncated()
             done += count
 
     def close(self) -> None:
+        self.mapping.close()
         os.close(self.fd)
 
 

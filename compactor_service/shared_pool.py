@@ -38,6 +38,7 @@ import mmap
 import os
 import re
 import stat
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -312,14 +313,76 @@ def slot_runs(slots: Tensor) -> list[tuple[int, int]]:
     return [(int(values[s]), int(n)) for s, n in zip(starts, lengths, strict=True)]
 
 
+class GuardedMapping:
+    """A file's shared mapping whose copies run under the guarded copy module's SIGBUS
+    guard (``sglang_evict_kernels.guarded_copy``), made once the module is loaded (never
+    waited for: until then ``ready`` is False and callers use the descriptor)."""
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        self.fd, self.nbytes = fd, nbytes
+        self.addr: int | None = None
+        self.module = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, fd: int, nbytes: int) -> GuardedMapping:
+        return cls(fd, nbytes)
+
+    def ready(self) -> bool:
+        if self.addr is not None:
+            return True
+        from sglang_evict_kernels import guarded_copy
+
+        module = guarded_copy.loaded()
+        if module is None or self.nbytes <= 0:
+            return False
+        with self._lock:
+            if self.addr is None and os.fstat(self.fd).st_size >= self.nbytes:
+                self.addr = int(module.map_shared(self.fd, self.nbytes))
+                self.module = module
+        return self.addr is not None
+
+    def copy_runs(self, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> bool:
+        return bool(
+            self.module.copy_runs(
+                self.addr,
+                self.nbytes,
+                torch.from_numpy(np.ascontiguousarray(src, dtype=np.int64)),
+                torch.from_numpy(np.ascontiguousarray(dst, dtype=np.int64)),
+                torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64)),
+            )
+        )
+
+    def gather(self, offsets: np.ndarray, row_bytes: int) -> Tensor | None:
+        out = torch.empty((len(offsets), row_bytes), dtype=torch.uint8)
+        offsets = torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64))
+        ok = self.module.gather_rows(self.addr, self.nbytes, offsets, row_bytes, out)
+        return out if ok else None
+
+    def scatter(self, offsets: np.ndarray, row_bytes: int, rows: Tensor) -> bool:
+        offsets = torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64))
+        rows = rows.contiguous().view(torch.uint8).reshape(-1)
+        return bool(self.module.scatter_rows(self.addr, self.nbytes, offsets, row_bytes, rows))
+
+    def close(self) -> None:
+        with self._lock:
+            if self.addr is not None:
+                self.module.unmap(self.addr, self.nbytes)
+                self.addr = None
+
+
 class PoolFile:
     """A registered CPU pool as the compactor sees it: the file's descriptor, never a
     mapping. Slots are copied with ``pread``/``pwrite`` (contiguous runs of moves in one
     call each, per buffer), which return short counts on a file its client truncated
-    under them, where an access through a mapping would kill the whole compactor with
-    SIGBUS (and with it every other client's pool)."""
+    under them, where an unguarded access through a mapping would kill the whole
+    compactor with SIGBUS (and with it every other client's pool). Once the guarded
+    copy module is loaded (``sglang_evict_kernels.guarded_copy``), the file is mapped
+    and every copy runs under its SIGBUS guard instead: the same bytes, no system call a
+    run, and a truncation still only drops this pool."""
 
     KERNEL = "pread-pwrite"
+    MAPPED_KERNEL = "guarded-mapping"
 
     def __init__(self, fd: int, layout: PoolLayout) -> None:
         self.fd = fd
@@ -327,6 +390,11 @@ class PoolFile:
         self.dtype = DTYPES[layout.dtype]
         self.row_bytes = layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
         self.bytes_per_slot = 2 * layout.num_layers * self.row_bytes
+        self.mapping = GuardedMapping.of(fd, layout.file_bytes)
+
+    @property
+    def kernel(self) -> str:
+        return self.MAPPED_KERNEL if self.mapping.ready() else self.KERNEL
 
     def _truncated(self, what: str) -> PoolFileTruncated:
         return PoolFileTruncated(
@@ -346,6 +414,15 @@ class PoolFile:
         starts = np.concatenate([[0], np.nonzero(breaks)[0] + 1])
         lengths = np.diff(np.concatenate([starts, [len(src_np)]]))
         row = self.row_bytes
+        if self.mapping.ready():
+            bases = np.arange(2 * self.layout.num_layers, dtype=np.int64)[:, None]
+            bases = bases * self.layout.stride_bytes
+            src_bytes = (bases + src_np[starts][None, :] * row).reshape(-1)
+            dst_bytes = (bases + dst_np[starts][None, :] * row).reshape(-1)
+            counts = np.broadcast_to(lengths[None, :] * row, (len(bases), len(starts)))
+            if not self.mapping.copy_runs(src_bytes, dst_bytes, counts.reshape(-1)):
+                raise self._truncated("ended under the copy")
+            return
         runs = [
             (int(src_np[s]) * row, int(dst_np[s]) * row, int(n) * row)
             for s, n in zip(starts, lengths, strict=True)
@@ -365,6 +442,15 @@ class PoolFile:
         in one call (the unwanted rows between read and dropped: a scattered eviction's
         tokens cost a few calls a request, not one a token)."""
         row, base = self.row_bytes, buffer * self.layout.stride_bytes
+        shape = (len(slots), self.layout.num_kv_heads, self.layout.head_dim)
+        if self.mapping.ready():
+            size = os.fstat(self.fd).st_size
+            if size < self.layout.file_bytes:
+                raise self._truncated(f"holds {size} of its {self.layout.file_bytes} bytes")
+            rows = self.mapping.gather(base + slots.numpy().astype(np.int64) * row, row)
+            if rows is None:
+                raise self._truncated("ended under a read")
+            return rows.view(self.dtype).view(shape)
         values = slots.numpy()
         order = np.argsort(values, kind="stable")
         ordered = values[order]
@@ -381,10 +467,10 @@ class PoolFile:
                     raise self._truncated("ended under a read")
                 block = np.frombuffer(data, dtype=np.uint8).reshape(count, row)
                 out[order[s:e]] = block[ordered[s:e] - first]
-        shape = (len(values), self.layout.num_kv_heads, self.layout.head_dim)
         return torch.from_numpy(out).view(self.dtype).view(shape)
 
     def close(self) -> None:
+        self.mapping.close()
         os.close(self.fd)
 
 

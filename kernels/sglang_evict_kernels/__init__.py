@@ -18,7 +18,10 @@ tests and benchmarks compare against the reference. This package imports neither
     tier_cpu        the tier on CPU, C++ kernels built on first use: decode
                     attention, the decode step's merge, quantize-and-pack
                     (``csrc/``)
+    guarded_copy    copies through a shared file's mapping under a SIGBUS guard (the
+                    compactor's CPU pools; C++ built on first use, ``csrc/``)
     _device         host ints to device tensors in one copy
+    _build          the C++ modules' builds, safe against a dead build's lock
 """
 
 from sglang_evict_kernels._device import device_int64, to_device

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from sglang_evict_kernels._build import clear_stale_lock
 from sglang_evict_kernels.tier_attention import check_attention_inputs
 from sglang_evict_kernels.tier_format import TierFormat, TierStore, check_quantize_inputs
 
@@ -74,8 +75,10 @@ def _load():
     try:
         from torch.utils import cpp_extension
 
+        name = f"sglang_evict_tier_cpu_{_machine_tag()}"
+        clear_stale_lock(name)
         return cpp_extension.load(
-            name=f"sglang_evict_tier_cpu_{_machine_tag()}",
+            name=name,
             sources=[str(path) for path in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

@@ -1,0 +1,141 @@
+"""The guarded copy module (``sglang_evict_kernels.guarded_copy``): copies through a
+shared mapping equal the descriptor path's bytes, and a file truncated under a mapping
+makes a copy report the fault instead of killing the process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from compactor_service.shared_pool import PoolFile, create_shared_buffers
+from sglang_evict_kernels import guarded_copy
+
+
+@pytest.fixture(scope="module")
+def module():
+    loaded = guarded_copy.load()
+    if loaded is None:
+        pytest.skip(f"the guarded copy module did not build: {guarded_copy.why_not()}")
+    return loaded
+
+
+def test_runs_rows_in_and_rows_out_equal_numpy(module, tmp_path):
+    path = tmp_path / "f"
+    data = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDWR)
+    addr = module.map_shared(fd, data.size)
+    try:
+        src, dst, lengths = [0, 4096, 9000], [20000, 30000, 40000], [100, 3000, 1]
+        want = data.copy()
+        for s, d, n in zip(src, dst, lengths, strict=True):
+            want[d : d + n] = data[s : s + n]
+        t = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+        assert module.copy_runs(addr, data.size, t(src), t(dst), t(lengths))
+        offsets = t([128, 0, 60000])
+        out = torch.empty((3, 64), dtype=torch.uint8)
+        assert module.gather_rows(addr, data.size, offsets, 64, out)
+        got = np.frombuffer(os.pread(fd, data.size, 0), dtype=np.uint8)
+        assert np.array_equal(got, want)
+        assert np.array_equal(out.numpy(), np.stack([want[o : o + 64] for o in (128, 0, 60000)]))
+        rows = torch.arange(128, dtype=torch.uint8).view(2, 64)
+        assert module.scatter_rows(addr, data.size, t([64, 1024]), 64, rows)
+        got = np.frombuffer(os.pread(fd, data.size, 0), dtype=np.uint8)
+        assert np.array_equal(got[64:128], rows[0].numpy())
+        with pytest.raises(RuntimeError, match="outside the mapping"):
+            module.gather_rows(addr, data.size, t([data.size - 10]), 64, out[:1])
+    finally:
+        module.unmap(addr, data.size)
+        os.close(fd)
+
+
+def test_a_file_truncated_under_its_mapping_fails_the_copy_not_the_process(module, tmp_path):
+    """In a child process (a real SIGBUS): the copy returns False, and a later SIGBUS
+    outside any copy still ends the process as SIGBUS does."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, torch
+        from sglang_evict_kernels import guarded_copy
+        m = guarded_copy.load()
+        fd = os.open({str(tmp_path / "g")!r}, os.O_RDWR | os.O_CREAT)
+        os.ftruncate(fd, 1 << 20)
+        addr = m.map_shared(fd, 1 << 20)
+        os.ftruncate(fd, 4096)
+        out = torch.empty((1, 64), dtype=torch.uint8)
+        offsets = torch.tensor([1 << 19], dtype=torch.int64)
+        print("gather", m.gather_rows(addr, 1 << 20, offsets, 64, out), flush=True)
+        runs = torch.tensor([1 << 19], dtype=torch.int64)
+        print("copy", m.copy_runs(addr, 1 << 20, torch.tensor([0]), runs,
+              torch.tensor([64])), flush=True)
+        print("alive", flush=True)
+        signal.raise_signal(signal.SIGBUS)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.stdout.split() == ["gather", "False", "copy", "False", "alive"], result.stderr
+    assert result.returncode == -7  # SIGBUS: passed on to the default action
+
+
+def test_a_pool_file_copies_the_same_bytes_mapped_as_through_its_descriptor(module, tmp_path):
+    shared = create_shared_buffers(
+        num_layers=2,
+        num_slots=256,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=torch.bfloat16,
+        page_size=4,
+        directory=tmp_path / "pools",
+    )
+    generator = torch.Generator().manual_seed(1)
+    for buffer in shared.k + shared.v:
+        buffer.copy_(torch.randn(buffer.shape, generator=generator).bfloat16())
+    src = torch.tensor([200, 201, 202, 90, 17], dtype=torch.int64)
+    dst = torch.tensor([3, 4, 5, 60, 120], dtype=torch.int64)
+    slots = torch.tensor([255, 0, 17, 18, 90], dtype=torch.int64)
+    results = []
+    for mapped in (False, True):
+        before = [b.clone() for b in shared.k + shared.v]
+        fd = os.open(shared.layout.k_buffers[0].shm_path, os.O_RDWR)
+        pool = PoolFile(fd, shared.layout)
+        if not mapped:
+            pool.mapping.ready = lambda: False  # the descriptor path
+        assert pool.kernel == ("guarded-mapping" if mapped else "pread-pwrite")
+        read = [pool.read_tokens(i, slots).clone() for i in range(4)]
+        pool.copy_slots(src, dst)
+        results.append(([b.clone() for b in shared.k + shared.v], read))
+        pool.close()
+        for buffer, saved in zip(shared.k + shared.v, before, strict=True):
+            buffer.copy_(saved)
+    (after_fd, read_fd), (after_map, read_map) = results
+    assert all(torch.equal(a, b) for a, b in zip(after_fd, after_map, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(read_fd, read_map, strict=True))
+    assert torch.equal(read_map[0], shared.k[0][slots])
+    shared.close()
+
+
+def test_a_dead_builds_lock_is_waited_for_while_fresh_then_removed(tmp_path, monkeypatch):
+    """A build lock younger than ``stale_s`` is waited for (another process builds);
+    an older one is removed (its build died), so no load waits forever."""
+    from sglang_evict_kernels import _build
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    monkeypatch.setattr(
+        "torch.utils.cpp_extension._get_build_directory", lambda name, verbose: str(tmp_path)
+    )
+    monkeypatch.setattr(_build, "POLL_S", 0.0)
+    ages = []
+
+    def clock_s():  # each look 20 s later: ages 30, 50, 70, 90, 110
+        ages.append(30.0 + 20.0 * len(ages))
+        return lock.stat().st_mtime + ages[-1]
+
+    _build.clear_stale_lock("m", stale_s=100.0, clock_s=clock_s)
+    assert not lock.exists() and ages[-1] == 110.0 and len(ages) == 5
+    _build.clear_stale_lock("m", stale_s=100.0, clock_s=clock_s)  # no lock: returns at once
