@@ -139,3 +139,22 @@ def test_a_dead_builds_lock_is_waited_for_while_fresh_then_removed(tmp_path, mon
     _build.clear_stale_lock("m", stale_s=100.0, clock_s=clock_s)
     assert not lock.exists() and ages[-1] == 110.0 and len(ages) == 5
     _build.clear_stale_lock("m", stale_s=100.0, clock_s=clock_s)  # no lock: returns at once
+
+
+def test_a_built_module_loads_without_the_builders_lock(module):
+    """Loading a built module takes no build lock: a lock left by a killed process
+    (fresh or not) delays nothing."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from sglang_evict_kernels import _build
+
+    name = module.__name__
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    open(lock, "w").close()
+    try:
+        loaded = _build.load_built(name)
+        assert loaded is not None and loaded.__file__ == module.__file__
+    finally:
+        os.remove(lock)
+    assert _build.load_built("sglang_evict_never_built_module") is None
+    os.rmdir(_get_build_directory("sglang_evict_never_built_module", verbose=False))

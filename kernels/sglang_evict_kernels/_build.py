@@ -6,11 +6,15 @@ waits, without end, for that file to go. A process killed while it built (a SIGK
 compactor during its first start on a machine) leaves the file behind, and every later
 load of that module would wait forever. So before a load: a lock is waited for while it
 is younger than ``STALE_LOCK_S`` (a build on 2 busy cores takes well under that), and
-an older one is removed as the leftover of a dead build.
+an older one is removed as the leftover of a dead build. The builder takes that lock
+even to load a module built already, so ``load_built`` loads a built module's library
+directly, without the builder (and its lock): a process killed while loading leaves
+nothing behind.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from pathlib import Path
@@ -40,3 +44,21 @@ def clear_stale_lock(name: str, stale_s: float = STALE_LOCK_S, clock_s=time.time
             )
             return
         time.sleep(POLL_S)
+
+
+def load_built(name: str):
+    """Module ``name`` from its build folder's library when it was built already (its
+    name carries its sources' hash, so a built one is current); None otherwise, or when
+    the library does not load (then the builder builds it again)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        path = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+        if not path.is_file():
+            return None
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception:  # a partial library (a build killed while linking), a builder change
+        return None
+    return module

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_evict_kernels._build import clear_stale_lock
+from sglang_evict_kernels._build import clear_stale_lock, load_built
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "guarded_copy_cpu.cpp"
@@ -44,6 +44,9 @@ def _build():
 
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
     name = f"sglang_evict_guarded_copy_{digest}"
+    built = load_built(name)
+    if built is not None:
+        return built
     clear_stale_lock(name)
     return cpp_extension.load(
         name=name,

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from sglang_evict_kernels._build import clear_stale_lock
+from sglang_evict_kernels._build import clear_stale_lock, load_built
 from sglang_evict_kernels.tier_attention import check_attention_inputs
 from sglang_evict_kernels.tier_format import TierFormat, TierStore, check_quantize_inputs
 
@@ -76,6 +76,9 @@ def _load():
         from torch.utils import cpp_extension
 
         name = f"sglang_evict_tier_cpu_{_machine_tag()}"
+        built = load_built(name)
+        if built is not None:
+            return built
         clear_stale_lock(name)
         return cpp_extension.load(
             name=name,
