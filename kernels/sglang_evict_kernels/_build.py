@@ -62,3 +62,15 @@ def load_built(name: str):
     except Exception:  # a partial library (a build killed while linking), a builder change
         return None
     return module
+
+
+def load_module(name: str, sources: list[str], **options):
+    """Module ``name``: its built library (``load_built``), else built from ``sources``
+    by PyTorch's builder (``options``: its flags) once a dead build's lock is gone."""
+    built = load_built(name)
+    if built is not None:
+        return built
+    from torch.utils import cpp_extension
+
+    clear_stale_lock(name)
+    return cpp_extension.load(name=name, sources=sources, verbose=False, **options)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_evict_kernels._build import clear_stale_lock, load_built
+from sglang_evict_kernels._build import load_module
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "guarded_copy_cpu.cpp"
@@ -40,20 +40,8 @@ def _off() -> bool:
 
 
 def _build():
-    from torch.utils import cpp_extension
-
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
-    name = f"sglang_evict_guarded_copy_{digest}"
-    built = load_built(name)
-    if built is not None:
-        return built
-    clear_stale_lock(name)
-    return cpp_extension.load(
-        name=name,
-        sources=[str(SOURCE)],
-        extra_cflags=["-O2"],
-        verbose=False,
-    )
+    return load_module(f"sglang_evict_guarded_copy_{digest}", [str(SOURCE)], extra_cflags=["-O2"])
 
 
 def load():

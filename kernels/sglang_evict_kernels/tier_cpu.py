@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from sglang_evict_kernels._build import clear_stale_lock, load_built
+from sglang_evict_kernels._build import load_module
 from sglang_evict_kernels.tier_attention import check_attention_inputs
 from sglang_evict_kernels.tier_format import TierFormat, TierStore, check_quantize_inputs
 
@@ -73,19 +73,11 @@ def _load():
             f"its source {', '.join(missing)} is missing from the installed package"
         )
     try:
-        from torch.utils import cpp_extension
-
-        name = f"sglang_evict_tier_cpu_{_machine_tag()}"
-        built = load_built(name)
-        if built is not None:
-            return built
-        clear_stale_lock(name)
-        return cpp_extension.load(
-            name=name,
-            sources=[str(path) for path in SOURCES],
+        return load_module(
+            f"sglang_evict_tier_cpu_{_machine_tag()}",
+            [str(path) for path in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
-            verbose=False,
         )
     except Exception as error:  # a missing compiler or ninja, a failed build
         first = str(error).strip().splitlines()[:1] or [type(error).__name__]
