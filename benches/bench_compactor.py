@@ -41,6 +41,7 @@ from compactor_service.client import GrpcCompactor  # noqa: E402
 from compactor_service.compactor import InProcessCompactor  # noqa: E402
 from compactor_service.cuda_ipc import export_cuda_buffers  # noqa: E402
 from compactor_service.health import check_health, socket_target  # noqa: E402
+from compactor_service.runtime_dir import default_pool_dir  # noqa: E402
 from compactor_service.shared_arena import create_shared_arena  # noqa: E402
 from compactor_service.shared_pool import create_shared_buffers  # noqa: E402
 from sglang_evict.passes.planner import plan_compaction  # noqa: E402
@@ -123,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         plans, num_groups = with_demotions(plans, evicted, args.tier_group)
     shape = (num_slots, args.kv_heads, args.head_dim)
     shared = None
-    pool_dir = tempfile.mkdtemp(prefix="bench-pools-")  # private (0700): the compactor's
+    # Private (0700), and in memory where serving puts pools (default_pool_dir: a disk
+    # file's mapping pays a write fault a page after each writeback).
+    shm = default_pool_dir().parent
+    pool_dir = tempfile.mkdtemp(prefix="bench-pools-", dir=shm if shm.is_dir() else None)
     if args.device == "cpu":
         shared = create_shared_buffers(
             num_layers=args.layers,

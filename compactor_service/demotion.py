@@ -13,8 +13,9 @@ compactor killed, a deadline, a lost lease) leaves only unread slots written, an
 scheduler, which commits nothing, loses nothing.
 
 Two forms, as for the moves: ``demote_tensors`` over stores and buffers in this
-process, ``demote_files`` over a CPU pool's and arena's files (``pread``/``pwrite``,
-never a mapping: ``shared_pool.PoolFile`` says why).
+process, ``demote_files`` over a CPU pool's and arena's files (through their guarded
+mappings once the guarded copy module is loaded, else ``pread``/``pwrite``: never an
+unguarded mapping, ``shared_pool.PoolFile`` says why).
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ def demote_tensors(
 
 def demote_files(pool_file, arena_file, token_slots: Tensor, targets: Tensor) -> None:
     """``demote_tensors`` over a CPU pool's file and its arena's file: each layer's rows
-    read, quantized here, and each group's bytes written at its arena slot."""
+    read, quantized here, and each group's bytes written at its arena slot. The rows and
+    the quantized groups pass through buffers made once a call and reused by every layer
+    (each group's bytes are all written by the quantizer, so a reused store holds no
+    earlier layer's)."""
     if not targets.numel():
         return
     layout, arena = pool_file.layout, arena_file.layout
@@ -96,18 +100,21 @@ def demote_files(pool_file, arena_file, token_slots: Tensor, targets: Tensor) ->
     groups, g = token_slots.shape
     rows = token_slots.reshape(-1)
     local = torch.arange(groups * g, dtype=torch.int64).view(groups, g)
+    slots = torch.arange(groups)
     specs = {(s.layer, s.name): s for s in arena_file.specs}
+    shape = (groups * g, layout.num_kv_heads, layout.head_dim)
+    k_rows = torch.empty(shape, dtype=pool_file.dtype)
+    v_rows = torch.empty(shape, dtype=pool_file.dtype)
+    stores: dict[int, TierStore] = {}  # one a count of outlier rows
     for layer in range(layout.num_layers):
-        k = pool_file.read_tokens(layer, rows)
-        v = pool_file.read_tokens(layout.num_layers + layer, rows)
-        store = TierStore.empty(
-            fmt,
-            groups,
-            layout.num_kv_heads,
-            pool_file.dtype,
-            outliers=fmt.outliers_for_layer(layer),
-        )
-        quantize_into(store, torch.arange(groups), k, v, local, fmt)
+        k = pool_file.read_tokens(layer, rows, out=k_rows)
+        v = pool_file.read_tokens(layout.num_layers + layer, rows, out=v_rows)
+        outliers = fmt.outliers_for_layer(layer)
+        store = stores.get(outliers)
+        if store is None:
+            store = stores[outliers] = TierStore.empty(
+                fmt, groups, layout.num_kv_heads, pool_file.dtype, outliers=outliers
+            )
+        quantize_into(store, slots, k, v, local, fmt)
         for name, tensor in store.tensors().items():
-            spec = specs[(layer, name)]
-            arena_file.write_rows(spec, targets, tensor)
+            arena_file.write_rows(specs[(layer, name)], targets, tensor)

@@ -353,8 +353,13 @@ class GuardedMapping:
             )
         )
 
-    def gather(self, offsets: np.ndarray, row_bytes: int) -> Tensor | None:
-        out = torch.empty((len(offsets), row_bytes), dtype=torch.uint8)
+    def gather(
+        self, offsets: np.ndarray, row_bytes: int, out: Tensor | None = None
+    ) -> Tensor | None:
+        """Rows at byte ``offsets`` into ``out`` (uint8 ``[n, row_bytes]``, made when
+        None), or None when the file ended under the read."""
+        if out is None:
+            out = torch.empty((len(offsets), row_bytes), dtype=torch.uint8)
         offsets = torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64))
         ok = self.module.gather_rows(self.addr, self.nbytes, offsets, row_bytes, out)
         return out if ok else None
@@ -435,9 +440,12 @@ class PoolFile:
                 if len(data) != count or pwrite(fd, data, base + dst_bytes) != count:
                     raise self._truncated("ended under the copy")
 
-    def read_tokens(self, buffer: int, slots: Tensor) -> Tensor:
+    def read_tokens(self, buffer: int, slots: Tensor, out: Tensor | None = None) -> Tensor:
         """Buffer ``buffer``'s rows ``slots`` (K buffers first, then V) as the pool's
-        dtype, ``[len(slots), kv heads, head dim]``, read through the descriptor: the
+        dtype, ``[len(slots), kv heads, head dim]``, into ``out`` when given (a
+        contiguous tensor of that shape and dtype, which a caller reading layer after
+        layer reuses: a fresh tensor a read costs its page faults every time), through
+        the guarded mapping once it is ready, else through the descriptor: the
         slots sorted, and each span of them whose gaps stay under ``READ_GAP_BYTES`` read
         in one call (the unwanted rows between read and dropped: a scattered eviction's
         tokens cost a few calls a request, not one a token)."""
@@ -447,14 +455,15 @@ class PoolFile:
             size = os.fstat(self.fd).st_size
             if size < self.layout.file_bytes:
                 raise self._truncated(f"holds {size} of its {self.layout.file_bytes} bytes")
-            rows = self.mapping.gather(base + slots.numpy().astype(np.int64) * row, row)
+            into = None if out is None else out.view(torch.uint8).view(len(slots), row)
+            rows = self.mapping.gather(base + slots.numpy().astype(np.int64) * row, row, into)
             if rows is None:
                 raise self._truncated("ended under a read")
             return rows.view(self.dtype).view(shape)
         values = slots.numpy()
         order = np.argsort(values, kind="stable")
         ordered = values[order]
-        out = np.empty((len(values), row), dtype=np.uint8)
+        out_np = np.empty((len(values), row), dtype=np.uint8)
         if len(values):
             gap_slots = max(1, READ_GAP_BYTES // row)
             breaks = np.nonzero(np.diff(ordered) > gap_slots)[0] + 1
@@ -466,8 +475,12 @@ class PoolFile:
                 if len(data) != count * row:
                     raise self._truncated("ended under a read")
                 block = np.frombuffer(data, dtype=np.uint8).reshape(count, row)
-                out[order[s:e]] = block[ordered[s:e] - first]
-        return torch.from_numpy(out).view(self.dtype).view(shape)
+                out_np[order[s:e]] = block[ordered[s:e] - first]
+        rows = torch.from_numpy(out_np).view(self.dtype).view(shape)
+        if out is None:
+            return rows
+        out.copy_(rows)
+        return out
 
     def close(self) -> None:
         self.mapping.close()

@@ -55,6 +55,46 @@ def test_runs_rows_in_and_rows_out_equal_numpy(module, tmp_path):
         os.close(fd)
 
 
+def test_copies_split_over_threads_equal_numpy(module, tmp_path):
+    """Enough rows and runs for ATen's threads to share each copy (chunks of 256 KiB)."""
+    path = tmp_path / "f"
+    data = np.random.default_rng(1).integers(0, 256, 8 << 20, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDWR)
+    addr = module.map_shared(fd, data.size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        row = 384
+        rng = np.random.default_rng(2)
+        offsets = rng.choice((4 << 20) // row, 6000, replace=False).astype(np.int64) * row
+        out = torch.empty((len(offsets), row), dtype=torch.uint8)
+        assert module.gather_rows(addr, data.size, torch.from_numpy(offsets), row, out)
+        assert np.array_equal(out.numpy(), np.stack([data[o : o + row] for o in offsets]))
+        rows = torch.from_numpy(rng.integers(0, 256, out.shape, dtype=np.uint8))
+        targets = offsets + (4 << 20)
+        assert module.scatter_rows(addr, data.size, torch.from_numpy(targets), row, rows)
+        want = data.copy()
+        for o, r in zip(targets, rows.numpy(), strict=True):
+            want[o : o + row] = r
+        lengths = rng.integers(1, 2000, 3000).astype(np.int64)
+        src = np.arange(3000, dtype=np.int64) * 2048  # below 6 MiB, runs apart
+        dst = (6 << 20) + np.cumsum(np.concatenate([[0], lengths[:-1]]))  # packed, above
+        keep = dst + lengths <= data.size
+        src, dst, lengths = src[keep], dst[keep], lengths[keep]
+        before = want.copy()
+        for s, d, n in zip(src, dst, lengths, strict=True):
+            want[d : d + n] = before[s : s + n]
+        t = torch.from_numpy
+        assert module.copy_runs(addr, data.size, t(src), t(dst), t(lengths))
+        got = np.frombuffer(os.pread(fd, data.size, 0), dtype=np.uint8)
+        assert np.array_equal(got, want)
+    finally:
+        torch.set_num_threads(threads)
+        module.unmap(addr, data.size)
+        os.close(fd)
+
+
 def test_a_file_truncated_under_its_mapping_fails_the_copy_not_the_process(module, tmp_path):
     """In a child process (a real SIGBUS): the copy returns False, and a later SIGBUS
     outside any copy still ends the process as SIGBUS does."""
@@ -73,12 +113,23 @@ def test_a_file_truncated_under_its_mapping_fails_the_copy_not_the_process(modul
         runs = torch.tensor([1 << 19], dtype=torch.int64)
         print("copy", m.copy_runs(addr, 1 << 20, torch.tensor([0]), runs,
               torch.tensor([64])), flush=True)
+        # Many chunks on ATen's threads: the faults land on worker threads too.
+        torch.set_num_threads(2)
+        n = 4096
+        big = torch.arange(n, dtype=torch.int64) * 256
+        rows = torch.empty((n, 256), dtype=torch.uint8)
+        print("gather", m.gather_rows(addr, 1 << 20, big, 256, rows), flush=True)
+        print("scatter", m.scatter_rows(addr, 1 << 20, big, 256, rows), flush=True)
+        lengths = torch.full((n // 2,), 256, dtype=torch.int64)
+        print("copy", m.copy_runs(addr, 1 << 20, big[: n // 2], big[n // 2 :], lengths),
+              flush=True)
         print("alive", flush=True)
         signal.raise_signal(signal.SIGBUS)
         """
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert result.stdout.split() == ["gather", "False", "copy", "False", "alive"], result.stderr
+    want = ["gather", "False", "copy", "False", "gather", "False", "scatter", "False"]
+    assert result.stdout.split() == [*want, "copy", "False", "alive"], result.stderr
     assert result.returncode == -7  # SIGBUS: passed on to the default action
 
 

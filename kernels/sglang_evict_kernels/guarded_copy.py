@@ -39,9 +39,20 @@ def _off() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
 
 
+# ATen's parallel_for runs on OpenMP threads only in code built with OpenMP.
+CFLAGS = ["-O2", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+
 def _build():
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
-    return load_module(f"sglang_evict_guarded_copy_{digest}", [str(SOURCE)], extra_cflags=["-O2"])
+    key = SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS + LDFLAGS).encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    return load_module(
+        f"sglang_evict_guarded_copy_{digest}",
+        [str(SOURCE)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
+    )
 
 
 def load():

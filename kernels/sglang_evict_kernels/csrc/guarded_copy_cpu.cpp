@@ -10,10 +10,16 @@
 // before (Python's faulthandler, or the default action). Bounds are checked against
 // the mapped size before any byte is touched.
 //
+// A copy runs on ATen's intra-op threads (as the tier's quantizer beside it does), each
+// chunk under its own thread's guard (``guarded_for``): a fault on one thread stops that
+// chunk, the others finish theirs, and the call reports the fault.
+//
 // Held to the descriptor path (shared_pool.PoolFile's pread/pwrite) byte for byte by
 // tests/test_guarded_copy.py.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csetjmp>
 #include <csignal>
@@ -83,6 +89,38 @@ void check_offsets(const torch::Tensor& t, const char* name) {
               name, " must be a contiguous 1-D int64 CPU tensor");
 }
 
+// Chunks of about this many bytes a thread.
+constexpr int64_t kChunkBytes = 256 << 10;
+
+// ``body(begin, end)`` over [begin, end) under this thread's guard; a SIGBUS inside it
+// sets ``faulted``. ``body`` touches memory only (no allocation, nothing with a
+// destructor): the jump back skips whatever it was doing.
+template <typename Body>
+void run_guarded(int64_t begin, int64_t end, const Body& body, std::atomic<bool>& faulted) {
+  sigjmp_buf env;
+  if (sigsetjmp(env, 1) != 0) {
+    faulted.store(true);  // the handler jumped back: disarmed already
+    return;
+  }
+  arm(&env);
+  body(begin, end);
+  disarm();
+}
+
+// ``body`` over [0, n) in chunks of about ``kChunkBytes`` (``bytes_per_item`` each) on
+// ATen's intra-op threads, each chunk guarded; false when any chunk faulted.
+template <typename Body>
+bool guarded_for(int64_t n, int64_t bytes_per_item, const Body& body) {
+  std::atomic<bool> faulted{false};
+  const int64_t grain = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, bytes_per_item));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    if (!faulted.load(std::memory_order_relaxed)) {
+      run_guarded(begin, end, body, faulted);
+    }
+  });
+  return !faulted.load();
+}
+
 }  // namespace
 
 // Map ``length`` bytes of ``fd`` shared (read and write); returns the address.
@@ -118,16 +156,15 @@ bool copy_runs(int64_t addr, int64_t mapped_bytes, torch::Tensor src, torch::Ten
                 "copy_runs: run ", i, " lies outside the mapping");
   }
   char* base = reinterpret_cast<char*>(addr);
-  sigjmp_buf env;
-  if (sigsetjmp(env, 1) != 0) {
-    return false;  // the handler jumped back: disarmed already
-  }
-  arm(&env);
+  int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    std::memmove(base + d[i], base + s[i], static_cast<size_t>(l[i]));
+    total += l[i];
   }
-  disarm();
-  return true;
+  return guarded_for(n, n ? std::max<int64_t>(1, total / n) : 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memmove(base + d[i], base + s[i], static_cast<size_t>(l[i]));
+    }
+  });
 }
 
 // Rows of ``row_bytes`` at byte ``offsets`` of the mapping into ``out`` (uint8
@@ -146,16 +183,11 @@ bool gather_rows(int64_t addr, int64_t mapped_bytes, torch::Tensor offsets, int6
   }
   const char* base = reinterpret_cast<const char*>(addr);
   char* dst = reinterpret_cast<char*>(out.data_ptr<uint8_t>());
-  sigjmp_buf env;
-  if (sigsetjmp(env, 1) != 0) {
-    return false;
-  }
-  arm(&env);
-  for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(dst + i * row_bytes, base + o[i], static_cast<size_t>(row_bytes));
-  }
-  disarm();
-  return true;
+  return guarded_for(n, row_bytes, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(dst + i * row_bytes, base + o[i], static_cast<size_t>(row_bytes));
+    }
+  });
 }
 
 // ``rows`` (uint8 [n, row_bytes]) written at byte ``offsets`` of the mapping. Returns
@@ -174,16 +206,11 @@ bool scatter_rows(int64_t addr, int64_t mapped_bytes, torch::Tensor offsets, int
   }
   char* base = reinterpret_cast<char*>(addr);
   const char* src = reinterpret_cast<const char*>(rows.data_ptr<uint8_t>());
-  sigjmp_buf env;
-  if (sigsetjmp(env, 1) != 0) {
-    return false;
-  }
-  arm(&env);
-  for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(base + o[i], src + i * row_bytes, static_cast<size_t>(row_bytes));
-  }
-  disarm();
-  return true;
+  return guarded_for(n, row_bytes, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(base + o[i], src + i * row_bytes, static_cast<size_t>(row_bytes));
+    }
+  });
 }
 
 }  // namespace sglang_evict_guard
