@@ -13,6 +13,7 @@ for what only it knows (requests it still tracks, passes, pages it says it freed
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -71,6 +72,9 @@ def policy_fields(**overrides) -> dict:
     return fields
 
 
+MAX_LABEL_CHARS = 160
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What an engine is started with; equal specs share one engine."""
@@ -118,7 +122,11 @@ class EngineSpec:
         extra = "".join(re.sub(r"[^\w.-]+", "_", f"-{k}{v}") for k, v in settings.items())
         if model is not None:
             extra += f"-model-{Path(model).name}"
-        return f"{kind}-page{self.page_size}{overlap}-pool{self.max_total_tokens}{extra}"
+        label = f"{kind}-page{self.page_size}{overlap}-pool{self.max_total_tokens}{extra}"
+        if len(label) > MAX_LABEL_CHARS:  # a log file's name: the rest as a digest
+            digest = hashlib.sha256(label.encode()).hexdigest()[:12]
+            label = f"{label[: MAX_LABEL_CHARS - 13]}-{digest}"
+        return label
 
 
 def engine_process_of(spec: EngineSpec, model_path, log_path) -> EngineProcess:

@@ -37,11 +37,19 @@ def dry_run(capsys, folder, *flags, backend="torch_native"):
     return code, captured.out, captured.err
 
 
+MLA = {"deepseek_v2"}  # knorm on the latent rows, no tier: below
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_family_passes_the_dry_run_with_torch_native_and_the_tier(tmp_path, capsys, name):
     folder = config_folder(tmp_path, name)
     flags = () if name == "gemma2" else TIER_FLAGS  # soft-capping: below
-    code, out, err = dry_run(capsys, folder, *flags, "--kv-window", str(WINDOW_TOKENS))
+    backend = "torch_native"
+    if name in MLA:  # the engine test's settings (tests/test_engine_mla.py)
+        flags, backend = ("--kv-scorer", "knorm"), "triton"
+    code, out, err = dry_run(
+        capsys, folder, *flags, "--kv-window", str(WINDOW_TOKENS), backend=backend
+    )
     assert code == 0, err
     assert f"({FAMILIES[name].architecture})" in out
     assert "has not validated" not in err
@@ -94,3 +102,30 @@ def test_an_architecture_no_engine_test_runs_starts_with_a_warning(tmp_path, cap
     warning = next(line for line in err.splitlines() if "has not validated" in line)
     assert "PhiForCausalLM" in warning and "Gemma3ForCausalLM" in warning
     assert all(family.architecture in VALIDATED_ARCHITECTURES for family in FAMILIES.values())
+
+
+@pytest.mark.parametrize(
+    ("flags", "names"),
+    [
+        (("--kv-scorer", "window"), "--kv-scorer window on DeepseekV2ForCausalLM"),
+        (("--kv-scorer", "rkv"), "--kv-scorer rkv on DeepseekV2ForCausalLM"),
+        (("--kv-scorer", "knorm", *TIER_FLAGS), "--kv-tier-bits on DeepseekV2ForCausalLM"),
+        (("--kv-scorer", "knorm", "--kv-compactor", "grpc"), "--kv-compactor grpc on"),
+    ],
+)
+def test_mla_refuses_what_its_latent_rows_cannot_serve(tmp_path, capsys, flags, names):
+    """One line naming the flag, exit 2, nothing started."""
+    folder = config_folder(tmp_path, "deepseek_v2")
+    code, out, err = dry_run(capsys, folder, *flags, backend="triton")
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert names in line, err
+    assert "dry run" not in out.lower()
+
+
+def test_mla_starts_with_streaming_and_knorm(tmp_path, capsys):
+    folder = config_folder(tmp_path, "deepseek_v2")
+    for scorer in ("streaming", "knorm"):
+        code, out, err = dry_run(capsys, folder, "--kv-scorer", scorer, backend="triton")
+        assert code == 0, err
+        assert "(DeepseekV2ForCausalLM)" in out

@@ -39,7 +39,10 @@ def pool(num_slots, layers=2, kv_heads=2, head_dim=64, dtype=torch.float32, seed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("num_tokens", "head_dim"), [(1, 64), (3, 128), (17, 64), (63, 128)])
+# 288 and 576: MLA's latent rows (rank 256 + rope 32, DeepSeek V3's 512 + 64), one head
+@pytest.mark.parametrize(
+    ("num_tokens", "head_dim"), [(1, 64), (3, 128), (17, 64), (63, 128), (9, 288), (5, 576)]
+)
 def test_key_norms_kernel_matches_reference_and_knorm_scorer(dtype, num_tokens, head_dim):
     k = pool(80, head_dim=head_dim, dtype=dtype)
     slots = torch.randperm(80, generator=torch.Generator().manual_seed(num_tokens))[:num_tokens]

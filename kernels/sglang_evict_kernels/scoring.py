@@ -121,6 +121,7 @@ def _norms_kernel():
         num_tokens,
         num_heads,
         HEAD_DIM: tl.constexpr,
+        BLOCK_DIM: tl.constexpr,  # HEAD_DIM rounded up to a power of two
         DTYPE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -130,10 +131,11 @@ def _norms_kernel():
         tokens = block * BLOCK + tl.arange(0, BLOCK)
         live = tokens < num_tokens
         slots = tl.load(slots_ptr + tokens, mask=live, other=0)
-        dims = tl.arange(0, HEAD_DIM)
+        dims = tl.arange(0, BLOCK_DIM)
+        inside = live[:, None] & (dims < HEAD_DIM)[None, :]
         for head in range(num_heads):
             rows = (slots * num_heads + head) * HEAD_DIM
-            k = tl.load(base + rows[:, None] + dims[None, :], mask=live[:, None], other=0.0)
+            k = tl.load(base + rows[:, None] + dims[None, :], mask=inside, other=0.0)
             k = k.to(tl.float32)
             norms = tl.sqrt(tl.sum(k * k, axis=1))
             out = out_ptr + (layer * num_heads + head) * num_tokens + tokens
@@ -164,6 +166,8 @@ def key_norms_triton(
         slots.numel(),
         num_heads,
         HEAD_DIM=head_dim,
+        # MLA's latent rows are 288 or 576 wide: the block covers them, masked
+        BLOCK_DIM=1 << max(0, head_dim - 1).bit_length(),
         DTYPE=_element_type(tl, k_buffers[0].dtype),
         BLOCK=BLOCK_TOKENS,
     )

@@ -17,12 +17,18 @@ family, built offline (no download), each exercising what sets its family apart.
                                         transformers backend does not apply it)
     gemma3      Gemma3ForCausalLM       local and global layers with two RoPE bases, q/k
                                         norm, ``query_pre_attn_scalar``
+    deepseek_v2 DeepseekV2ForCausalLM   MLA: one latent row a token a layer (rank 256 +
+                                        a 32-wide rotary part), YaRN RoPE (SGLang's CPU
+                                        rotary path takes DeepSeek's YaRN only), dense
+                                        MLPs (``first_k_dense_replace`` covers both
+                                        layers)
 
 Every model shares the engine model's tokenizer and vocabulary
 (``models.engine_model``), head dim 64 (one the tier's kernels hold), 4 query heads
-over 2 KV heads, 2 or 3 layers, float32, ``lm_head`` scaled up so greedy choices are
-decisive. The windowed families use a window of ``WINDOW_TOKENS``, far below the
-engine tests' contexts, so eviction and the window meet within a few passes.
+over 2 KV heads (MLA: 4 heads over the one latent row), 2 or 3 layers, float32,
+``lm_head`` scaled up so greedy choices are decisive. The windowed families use a
+window of ``WINDOW_TOKENS``, far below the engine tests' contexts, so eviction and the
+window meet within a few passes.
 
     ensure_family_model("qwen3")  # the folder, built on first use, reused when intact
 """
@@ -135,6 +141,42 @@ FAMILIES = {
                 rope_parameters={
                     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                     "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                },
+            ),
+        ),
+        Family(
+            "deepseek_v2",
+            "DeepseekV2ForCausalLM",
+            "DeepseekV2Config",
+            "MLA latent rows, YaRN RoPE",
+            dict(
+                num_key_value_heads=4,
+                # 256 + 32 = 288: a latent width SGLang's triton MLA decode kernel
+                # splits into its latent and rotary blocks (as 512 + 64 for DeepSeek V3)
+                kv_lora_rank=256,
+                q_lora_rank=None,
+                qk_rope_head_dim=32,
+                qk_nope_head_dim=32,
+                v_head_dim=32,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_group=1,
+                topk_group=1,
+                first_k_dense_replace=2,
+                moe_intermediate_size=64,
+                moe_layer_freq=1,  # SGLang's DeepSeek model reads it
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 10_000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 2048,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "mscale": 1.0,
+                    # SGLang multiplies the softmax scale by YaRN's mscale(mscale_all_dim)
+                    # squared (compute_mla_mscale_scaling); transformers' DeepSeek-V2 does
+                    # not. At 0 that factor is 1 in both, and both scale cos/sin alike.
+                    "mscale_all_dim": 0.0,
                 },
             ),
         ),

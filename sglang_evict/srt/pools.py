@@ -1,11 +1,20 @@
 """KV pool access over SGLang's pools: the mechanism's ``KVPoolAccess`` over
-``ReqToTokenPool``, the token/paged allocator and ``MHATokenToKVPool``; the allocator's
-free set; sharing the pool's buffers with the compactor process."""
+``ReqToTokenPool``, the token/paged allocator and ``MHATokenToKVPool`` or
+``MLATokenToKVPool``; the allocator's free set; sharing the pool's buffers with the
+compactor process.
+
+An MLA pool (DeepSeek V2/V3/R1, Kimi K2) holds one row a token a layer: the compressed
+latent ``c_kv`` (``kv_lora_rank``) followed by the rotary part of the key
+(``qk_rope_head_dim``, written rotated at the token's position, as an MHA key is), one
+"head" wide. To the mechanism it is a pool of keys without values: ``k_buffers`` are its
+latent buffers, ``v_buffers`` is empty, so a move copies the one row every layer holds
+and a key scorer (``knorm``) reads the latent row. Its FP4 and sparse-attention (DSA)
+variants keep other layouts and are refused."""
 
 from __future__ import annotations
 
 import torch
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from torch import Tensor
 
 from compactor_service.cuda_ipc import export_cuda_buffers
@@ -14,15 +23,22 @@ from sglang_evict.passes.batch.indices import arange
 from sglang_evict.srt.versioned import free_page_ids, give_back_pages
 
 
+def is_latent_pool(kv_pool) -> bool:
+    """An MLA pool of the plain layout (not its FP4 or DSA variants)."""
+    return type(kv_pool) is MLATokenToKVPool
+
+
 class SGLangPoolAccess:
-    """``KVPoolAccess`` over SGLang's request-to-token pool, allocator and MHA KV pool."""
+    """``KVPoolAccess`` over SGLang's request-to-token pool, allocator and MHA or MLA KV
+    pool."""
 
     def __init__(self, req_to_token_pool, allocator, kv_pool) -> None:
-        if not isinstance(kv_pool, MHATokenToKVPool):
+        self.latent = is_latent_pool(kv_pool)
+        if not (self.latent or isinstance(kv_pool, MHATokenToKVPool)):
             raise ValueError(
-                f"sglang-evict supports MHA KV pools (MHATokenToKVPool); this model uses "
-                f"{type(kv_pool).__name__} (MLA, hybrid SWA/linear and quantised FP4/MXFP8 "
-                f"pools are not supported yet)"
+                f"sglang-evict supports MHA and MLA KV pools (MHATokenToKVPool, "
+                f"MLATokenToKVPool); this model uses {type(kv_pool).__name__} (hybrid "
+                f"SWA/linear, DSA and quantised FP4/MXFP8 pools are not supported yet)"
             )
         if (
             getattr(kv_pool, "use_hnd", False)
@@ -39,11 +55,14 @@ class SGLangPoolAccess:
 
     @property
     def k_buffers(self) -> list[Tensor]:
-        return list(self.kv_pool.k_buffer)
+        """Per layer ``[slots, kv_heads, head_dim]``; an MLA pool's latent rows
+        ``[slots, 1, kv_lora_rank + qk_rope_head_dim]``."""
+        return list(self.kv_pool.kv_buffer if self.latent else self.kv_pool.k_buffer)
 
     @property
     def v_buffers(self) -> list[Tensor]:
-        return list(self.kv_pool.v_buffer)
+        """Per layer; none for an MLA pool (its values are the latent rows)."""
+        return [] if self.latent else list(self.kv_pool.v_buffer)
 
     def read_rows(self, rows: Tensor, width: int) -> Tensor:
         return self.req_to_token[:, :width].index_select(0, rows).to(torch.int64)
@@ -57,14 +76,14 @@ class SGLangPoolAccess:
     def gather_layer_keys(self, layer: int, slots: Tensor) -> Tensor:
         """float ``[len(slots), kv_heads, head_dim]``: one layer's cached keys."""
         pool = self.kv_pool
-        keys = pool.k_buffer[layer].index_select(0, slots.to(pool.device))
+        keys = self.k_buffers[layer].index_select(0, slots.to(pool.device))
         if pool.store_dtype != pool.dtype:  # fp8 stored as uint8
             keys = keys.view(pool.dtype)
         return keys.float()
 
     def gather_keys(self, slots: Tensor) -> Tensor:
         return torch.stack(
-            [self.gather_layer_keys(layer, slots) for layer in range(len(self.kv_pool.k_buffer))]
+            [self.gather_layer_keys(layer, slots) for layer in range(len(self.k_buffers))]
         )
 
     def available_pages(self) -> int:
@@ -95,8 +114,11 @@ def share_kv_pool(kv_pool: MHATokenToKVPool, shm_dir: str) -> tuple[PoolLayout, 
     compactor maps files from that directory only) and the pool's per-layer lists and
     pointer tables are re-pointed at it — done at start-up, before any forward.
     """
-    if kv_pool.head_dim != kv_pool.v_head_dim:
-        raise ValueError("the compactor sidecar needs equal K and V head dims (MHA)")
+    if is_latent_pool(kv_pool) or kv_pool.head_dim != kv_pool.v_head_dim:
+        raise ValueError(
+            "the compactor sidecar needs an MHA pool with equal K and V head dims; an MLA "
+            "pool is compacted in-process (--kv-compactor inprocess)"
+        )
     if torch.device(kv_pool.device).type == "cuda":
         return export_cuda_buffers(kv_pool.k_buffer, kv_pool.v_buffer, kv_pool.page_size), None
     first = kv_pool.k_buffer[0]

@@ -249,7 +249,6 @@ _FLAG_REFUSALS = (
 )
 
 _MODEL_REFUSALS = (
-    ("is_mla", "MLA attention (DeepSeek V2/V3/R1, Kimi K2 and others; MLATokenToKVPool)"),
     ("is_hybrid_swa", "sliding-window (hybrid SWA) models"),
     ("is_hybrid_ssm", "hybrid SSM/linear-attention models"),
     ("is_dsa", "DeepSeek sparse-attention models"),
@@ -412,6 +411,7 @@ VALIDATED_ARCHITECTURES = (
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "DeepseekV2ForCausalLM",  # MLA (tests/test_engine_mla.py)
 )
 # The decode backend windowed layers follow logical positions in (``srt.windows``).
 WINDOWED_BACKENDS = ("torch_native",)
@@ -488,6 +488,36 @@ def _window_problems(server_args, config: EvictionConfig, model: ModelFacts) -> 
     return problems
 
 
+# The scorers that read an MLA pool's latent rows as they are: positions (``streaming``,
+# ``random``) or each row's norm (``knorm``). The others score keys against queries (or
+# against per-head RoPE statistics) in the MHA head space, which the latent rows are not.
+LATENT_SCORERS = ("streaming", "knorm", "random")
+
+
+def _mla_problems(config: EvictionConfig, model: ModelFacts) -> list[str]:
+    """What an MLA model (one latent row a token a layer) cannot be served with yet."""
+    names = ", ".join(model.architectures) or model.path
+    problems = []
+    if config.scorer not in LATENT_SCORERS:
+        problems.append(
+            f"--kv-scorer {config.scorer} on {names}: MLA keeps one latent row a token, and "
+            f"this scorer reads per-head keys and queries; use --kv-scorer "
+            f"{' or '.join(LATENT_SCORERS)}"
+        )
+    if config.tier_bits is not None:
+        problems.append(
+            f"--kv-tier-bits on {names}: the quantized tier has no layout for MLA's latent "
+            f"rows yet; drop --kv-tier-*"
+        )
+    if config.compactor != "inprocess":
+        problems.append(
+            f"--kv-compactor {config.compactor} on {names}: the compactor sidecar maps MHA "
+            f"pools only; MLA's latent rows are compacted in-process (--kv-compactor "
+            f"inprocess)"
+        )
+    return problems
+
+
 def _model_problems(server_args, config: EvictionConfig, model: ModelFacts) -> list[str]:
     from sglang_evict.calibrate import check_stats_fit_model
 
@@ -496,9 +526,13 @@ def _model_problems(server_args, config: EvictionConfig, model: ModelFacts) -> l
         names = ", ".join(model.architectures) or model.path
         return [
             f"sglang-evict does not support {' or '.join(refused)} yet ({names}): it needs an "
-            f"MHA/GQA model whose KV lives in MHATokenToKVPool "
-            f"(see docs/serving.md, Supported models)"
+            f"MHA/GQA model whose KV lives in MHATokenToKVPool, or an MLA model in "
+            f"MLATokenToKVPool (see docs/serving.md, Supported models)"
         ]
+    if model.is_mla:
+        problems = _mla_problems(config, model)
+        if problems:
+            return problems
     problems = _window_problems(server_args, config, model)
     if config.tier_bits is not None and model.hf_text_config is not None:
         problems.extend(_tier_model_problems(config, model))
