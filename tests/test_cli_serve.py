@@ -176,10 +176,26 @@ def test_dry_run_refuses_exactly_what_server_startup_refuses(
         assert err.strip().splitlines()[-1] == f"sglang-evict serve: error: {server_verdict}"
 
 
+def test_dry_run_of_an_mla_model_starts_and_refuses_the_tier(tmp_path, capsys):
+    """DeepSeek V3's MLA pool runs with eviction (tests/test_engine_mla.py proves V2's);
+    the tier has no layout for its latent rows: one line naming the flag, exit 2."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    argv = ("--dry-run", "--model-path", str(tmp_path), "--device", "cpu")
+    code, _, err = serve(capsys, "--kv-budget", "256", *argv)
+    assert code == 0, err
+    code, _, err = serve(capsys, "--kv-budget", "256", "--kv-tier-bits", "3", *argv)
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert "--kv-tier-bits on DeepseekV3ForCausalLM" in line and "latent rows" in line
+
+
 @pytest.mark.parametrize(
     ("config_class", "architecture", "refused"),
     [
-        ("DeepseekV3Config", "DeepseekV3ForCausalLM", "MLA attention"),
         ("GptOssConfig", "GptOssForCausalLM", "sliding-window (hybrid SWA) models"),
     ],
 )

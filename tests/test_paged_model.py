@@ -61,7 +61,17 @@ def test_on_a_llama_it_generates_what_paged_llama_generates_under_eviction(engin
     assert isinstance(paged_model(hf(engine_model)), PagedLlama)
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+# MLA's latent rows live in no MHA pool: PagedModel refuses it (below), and its proof
+# runs in SGLang's engine (tests/test_engine_mla.py).
+MHA_FAMILIES = sorted(name for name in FAMILIES if name != "deepseek_v2")
+
+
+def test_an_mla_model_is_refused_by_name():
+    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM is MLA"):
+        PagedModel(hf(ensure_family_model("deepseek_v2")))
+
+
+@pytest.mark.parametrize("name", MHA_FAMILIES)
 def test_on_the_full_cache_it_is_each_familys_own_greedy_generation(name):
     model = hf(ensure_family_model(name))
     if getattr(model.config, "attn_logit_softcapping", None):

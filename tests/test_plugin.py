@@ -228,20 +228,21 @@ def test_backend_refuses_triattention_stats_of_another_model_naming_both_shapes(
     assert f"sglang-evict calibrate --model-path {engine_model}" in message
 
 
-def test_backend_refuses_mla_models_before_touching_the_pool(monkeypatch, tmp_path):
+def test_backend_refuses_what_mla_cannot_serve_before_touching_the_pool(monkeypatch, tmp_path):
     from sglang.srt.configs.model_config import ModelConfig
     from transformers import DeepseekV3Config
 
     config = DeepseekV3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
     config.architectures = ["DeepseekV3ForCausalLM"]
     config.save_pretrained(tmp_path)
-    monkeypatch.setenv(CONFIG_ENV, json.dumps({"kv_budget_tokens": 256}))
+    # MLA runs with eviction (tests/test_engine_mla.py); a query scorer is refused
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({"kv_budget_tokens": 256, "scorer": "window"}))
     context = build_context(
         Engine(page_size=16),
         ServerArgs(model_path="dummy", device="cpu"),
         model_config=ModelConfig(model_path=str(tmp_path)),
     )
-    with pytest.raises(ValueError, match=r"MLA attention .* \(DeepseekV3ForCausalLM\)"):
+    with pytest.raises(ValueError, match=r"--kv-scorer window on DeepseekV3ForCausalLM"):
         radix_cache_factory(context)
 
 

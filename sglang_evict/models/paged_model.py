@@ -69,6 +69,12 @@ class PagedModel:
         self.model = model.eval()
         self.model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
         config = getattr(model.config, "text_config", None) or model.config
+        if getattr(config, "kv_lora_rank", None):
+            raise ValueError(
+                f"PagedModel keeps K and V per head in an MHA pool; "
+                f"{type(model).__name__} is MLA (its latent rows' proof runs in SGLang's "
+                f"engine: tests/test_engine_mla.py)"
+            )
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", self.num_heads)
