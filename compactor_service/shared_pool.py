@@ -459,11 +459,13 @@ class PoolFile:
             rows = self.mapping.gather(base + slots.numpy().astype(np.int64) * row, row, into)
             if rows is None:
                 raise self._truncated("ended under a read")
-            return rows.view(self.dtype).view(shape)
+            return rows.view(self.dtype).view(shape) if out is None else out
         values = slots.numpy()
         order = np.argsort(values, kind="stable")
         ordered = values[order]
-        out_np = np.empty((len(values), row), dtype=np.uint8)
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype)
+        out_np = out.view(torch.uint8).view(len(values), row).numpy()
         if len(values):
             gap_slots = max(1, READ_GAP_BYTES // row)
             breaks = np.nonzero(np.diff(ordered) > gap_slots)[0] + 1
@@ -476,10 +478,6 @@ class PoolFile:
                     raise self._truncated("ended under a read")
                 block = np.frombuffer(data, dtype=np.uint8).reshape(count, row)
                 out_np[order[s:e]] = block[ordered[s:e] - first]
-        rows = torch.from_numpy(out_np).view(self.dtype).view(shape)
-        if out is None:
-            return rows
-        out.copy_(rows)
         return out
 
     def close(self) -> None:

@@ -492,3 +492,36 @@ def prometheus_samples(text: str, prefix: str = "sglang_evict:") -> dict[str, fl
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     return samples
+
+
+def assert_radix_hits_in_whole_pages(engine, prompts, page_size: int, new_tokens: int) -> None:
+    """After a flush, requests after the first match its prompt's shared prefix, in
+    whole pages (SGLang's radix cache at ``page_size``), with eviction on."""
+    assert engine.flush_cache()
+    first = engine.generate(prompts[0], greedy(new_tokens))
+    rest = engine.generate(prompts[1:], greedy(new_tokens))
+    cached = [o["meta_info"]["cached_tokens"] for o in [first, *rest]]
+
+    def shared(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+
+    expected = [0] + [shared(prompts[0], p) // page_size * page_size for p in prompts[1:]]
+    assert cached == expected and max(expected) > 0
+
+
+def assert_abort_and_retraction_leave_it_clean(
+    engine, tokenizer, *, after_chunks: int, requests: int, new_tokens: int
+) -> None:
+    """An abort mid-generation, then ``requests`` requests of ``new_tokens`` in a pool
+    too small for them (SGLang retracts at least one); every request ends, and the
+    plugin holds nothing when idle."""
+    mark = engine.mark()
+    prompt = tokenizer("Tell me a story about a server with a small cache.")["input_ids"]
+    out = engine.generate_then_abort(prompt, greedy(2000), after_chunks=after_chunks)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    prompts = [tokenizer(f"Request {i}: tell me a story.")["input_ids"] for i in range(requests)]
+    sampling = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "temperature": 0}
+    outputs = engine.generate(prompts, sampling)
+    assert all(len(o["output_ids"]) == new_tokens for o in outputs)
+    assert sum(o["meta_info"]["num_retractions"] for o in outputs) >= 1
+    assert_clean_after(engine, mark)

@@ -28,7 +28,9 @@ from sglang_evict.request_policy import bounded_kv_tokens, default_policy, repor
 from sglang_evict.srt.windows import layer_windows
 from tests.engine_harness import (
     EngineSpec,
+    assert_abort_and_retraction_leave_it_clean,
     assert_clean_after,
+    assert_radix_hits_in_whole_pages,
     assert_same_tokens,
     greedy,
     policy_fields,
@@ -208,16 +210,7 @@ def test_the_tier_generates_what_the_masked_full_cache_generates(
 def test_radix_hits_are_the_shared_prefix_in_whole_pages(family_engine, family_prompts):
     """Requests after the first match its prompt's shared system prompt, in whole pages
     (SGLang's radix cache at page 16), with eviction on."""
-    assert family_engine.flush_cache()
-    first = family_engine.generate(family_prompts[0], greedy(NEW_TOKENS))
-    rest = family_engine.generate(family_prompts[1:], greedy(NEW_TOKENS))
-    cached = [o["meta_info"]["cached_tokens"] for o in [first, *rest]]
-
-    def shared(a, b):
-        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
-
-    expected = [0] + [shared(family_prompts[0], p) // PAGE * PAGE for p in family_prompts[1:]]
-    assert cached == expected and max(expected) > 0
+    assert_radix_hits_in_whole_pages(family_engine, family_prompts, PAGE, NEW_TOKENS)
 
 
 def test_an_abort_and_a_retraction_leave_the_idle_check_clean(family_engine, tokenizer):
@@ -225,17 +218,9 @@ def test_an_abort_and_a_retraction_leave_the_idle_check_clean(family_engine, tok
     pool's 24 pages fill while each holds about 42 tokens, below its budget, so no pass
     can free anything and SGLang retracts; every request ends, and the plugin holds
     nothing when idle."""
-    mark = family_engine.mark()
-    prompt = tokenizer("Tell me a story about a server with a small cache.")["input_ids"]
-    out = family_engine.generate_then_abort(prompt, greedy(2000), after_chunks=90)
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    prompts = [tokenizer(f"Request {i}: tell me a story.")["input_ids"] for i in range(9)]
-    new_tokens = 200
-    sampling = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "temperature": 0}
-    outputs = family_engine.generate(prompts, sampling)
-    assert all(len(o["output_ids"]) == new_tokens for o in outputs)
-    assert sum(o["meta_info"]["num_retractions"] for o in outputs) >= 1
-    assert_clean_after(family_engine, mark)
+    assert_abort_and_retraction_leave_it_clean(
+        family_engine, tokenizer, after_chunks=90, requests=9, new_tokens=200
+    )
     tier = family_engine.plugin_state()["tier"]  # None: no tier (TIER_REFUSED)
     assert tier is None or tier["groups_held"] == 0
 

@@ -29,7 +29,9 @@ from sglang_evict.models.masked_reference import MaskedReference, traces_from_pa
 from sglang_evict.request_policy import bounded_kv_tokens, default_policy, report_of
 from tests.engine_harness import (
     EngineSpec,
+    assert_abort_and_retraction_leave_it_clean,
     assert_clean_after,
+    assert_radix_hits_in_whole_pages,
     assert_same_tokens,
     greedy,
     policy_fields,
@@ -115,28 +117,11 @@ def test_mla_eviction_generates_what_the_masked_full_cache_generates(
 
 
 def test_mla_radix_hits_are_the_shared_prefix_in_whole_pages(mla_engine, mla_prompts):
-    assert mla_engine.flush_cache()
-    first = mla_engine.generate(mla_prompts[0], greedy(NEW_TOKENS))
-    rest = mla_engine.generate(mla_prompts[1:], greedy(NEW_TOKENS))
-    cached = [o["meta_info"]["cached_tokens"] for o in [first, *rest]]
-
-    def shared(a, b):
-        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
-
-    expected = [0] + [shared(mla_prompts[0], p) // PAGE * PAGE for p in mla_prompts[1:]]
-    assert cached == expected and max(expected) > 0
+    assert_radix_hits_in_whole_pages(mla_engine, mla_prompts, PAGE, NEW_TOKENS)
 
 
 def test_mla_abort_and_retraction_leave_the_idle_check_clean(mla_engine, tokenizer):
-    mark = mla_engine.mark()
-    prompt = tokenizer("Tell me a story about a server with a small cache.")["input_ids"]
-    out = mla_engine.generate_then_abort(prompt, greedy(2000), after_chunks=60)
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
     # Nine requests in a pool of 512 tokens: SGLang retracts (eight of 112 tokens did not).
-    prompts = [tokenizer(f"Request {i}: tell me a story.")["input_ids"] for i in range(9)]
-    new_tokens = 160
-    sampling = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "temperature": 0}
-    outputs = mla_engine.generate(prompts, sampling)
-    assert all(len(o["output_ids"]) == new_tokens for o in outputs)
-    assert sum(o["meta_info"]["num_retractions"] for o in outputs) >= 1
-    assert_clean_after(mla_engine, mark)
+    assert_abort_and_retraction_leave_it_clean(
+        mla_engine, tokenizer, after_chunks=60, requests=9, new_tokens=160
+    )

@@ -4,6 +4,7 @@ makes a copy report the fault instead of killing the process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -25,13 +26,22 @@ def module():
     return loaded
 
 
-def test_runs_rows_in_and_rows_out_equal_numpy(module, tmp_path):
-    path = tmp_path / "f"
-    data = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
+@contextlib.contextmanager
+def mapped(module, path, data: np.ndarray):
+    """``data`` written to ``path``, opened and mapped shared: ``(fd, addr)``."""
     path.write_bytes(data.tobytes())
     fd = os.open(path, os.O_RDWR)
     addr = module.map_shared(fd, data.size)
     try:
+        yield fd, addr
+    finally:
+        module.unmap(addr, data.size)
+        os.close(fd)
+
+
+def test_runs_rows_in_and_rows_out_equal_numpy(module, tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
+    with mapped(module, tmp_path / "f", data) as (fd, addr):
         src, dst, lengths = [0, 4096, 9000], [20000, 30000, 40000], [100, 3000, 1]
         want = data.copy()
         for s, d, n in zip(src, dst, lengths, strict=True):
@@ -50,49 +60,41 @@ def test_runs_rows_in_and_rows_out_equal_numpy(module, tmp_path):
         assert np.array_equal(got[64:128], rows[0].numpy())
         with pytest.raises(RuntimeError, match="outside the mapping"):
             module.gather_rows(addr, data.size, t([data.size - 10]), 64, out[:1])
-    finally:
-        module.unmap(addr, data.size)
-        os.close(fd)
 
 
 def test_copies_split_over_threads_equal_numpy(module, tmp_path):
     """Enough rows and runs for ATen's threads to share each copy (chunks of 256 KiB)."""
-    path = tmp_path / "f"
     data = np.random.default_rng(1).integers(0, 256, 8 << 20, dtype=np.uint8)
-    path.write_bytes(data.tobytes())
-    fd = os.open(path, os.O_RDWR)
-    addr = module.map_shared(fd, data.size)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        row = 384
-        rng = np.random.default_rng(2)
-        offsets = rng.choice((4 << 20) // row, 6000, replace=False).astype(np.int64) * row
-        out = torch.empty((len(offsets), row), dtype=torch.uint8)
-        assert module.gather_rows(addr, data.size, torch.from_numpy(offsets), row, out)
-        assert np.array_equal(out.numpy(), np.stack([data[o : o + row] for o in offsets]))
-        rows = torch.from_numpy(rng.integers(0, 256, out.shape, dtype=np.uint8))
-        targets = offsets + (4 << 20)
-        assert module.scatter_rows(addr, data.size, torch.from_numpy(targets), row, rows)
-        want = data.copy()
-        for o, r in zip(targets, rows.numpy(), strict=True):
-            want[o : o + row] = r
-        lengths = rng.integers(1, 2000, 3000).astype(np.int64)
-        src = np.arange(3000, dtype=np.int64) * 2048  # below 6 MiB, runs apart
-        dst = (6 << 20) + np.cumsum(np.concatenate([[0], lengths[:-1]]))  # packed, above
-        keep = dst + lengths <= data.size
-        src, dst, lengths = src[keep], dst[keep], lengths[keep]
-        before = want.copy()
-        for s, d, n in zip(src, dst, lengths, strict=True):
-            want[d : d + n] = before[s : s + n]
-        t = torch.from_numpy
-        assert module.copy_runs(addr, data.size, t(src), t(dst), t(lengths))
-        got = np.frombuffer(os.pread(fd, data.size, 0), dtype=np.uint8)
-        assert np.array_equal(got, want)
+        with mapped(module, tmp_path / "f", data) as (fd, addr):
+            row = 384
+            rng = np.random.default_rng(2)
+            offsets = rng.choice((4 << 20) // row, 6000, replace=False).astype(np.int64) * row
+            out = torch.empty((len(offsets), row), dtype=torch.uint8)
+            assert module.gather_rows(addr, data.size, torch.from_numpy(offsets), row, out)
+            assert np.array_equal(out.numpy(), np.stack([data[o : o + row] for o in offsets]))
+            rows = torch.from_numpy(rng.integers(0, 256, out.shape, dtype=np.uint8))
+            targets = offsets + (4 << 20)
+            assert module.scatter_rows(addr, data.size, torch.from_numpy(targets), row, rows)
+            want = data.copy()
+            for o, r in zip(targets, rows.numpy(), strict=True):
+                want[o : o + row] = r
+            lengths = rng.integers(1, 2000, 3000).astype(np.int64)
+            src = np.arange(3000, dtype=np.int64) * 2048  # below 6 MiB, runs apart
+            dst = (6 << 20) + np.cumsum(np.concatenate([[0], lengths[:-1]]))  # packed, above
+            keep = dst + lengths <= data.size
+            src, dst, lengths = src[keep], dst[keep], lengths[keep]
+            before = want.copy()
+            for s, d, n in zip(src, dst, lengths, strict=True):
+                want[d : d + n] = before[s : s + n]
+            t = torch.from_numpy
+            assert module.copy_runs(addr, data.size, t(src), t(dst), t(lengths))
+            got = np.frombuffer(os.pread(fd, data.size, 0), dtype=np.uint8)
+            assert np.array_equal(got, want)
     finally:
         torch.set_num_threads(threads)
-        module.unmap(addr, data.size)
-        os.close(fd)
 
 
 def test_a_file_truncated_under_its_mapping_fails_the_copy_not_the_process(module, tmp_path):
@@ -150,14 +152,18 @@ def test_a_pool_file_copies_the_same_bytes_mapped_as_through_its_descriptor(modu
     dst = torch.tensor([3, 4, 5, 60, 120], dtype=torch.int64)
     slots = torch.tensor([255, 0, 17, 18, 90], dtype=torch.int64)
     results = []
-    for mapped in (False, True):
+    for through_mapping in (False, True):
         before = [b.clone() for b in shared.k + shared.v]
         fd = os.open(shared.layout.k_buffers[0].shm_path, os.O_RDWR)
         pool = PoolFile(fd, shared.layout)
-        if not mapped:
+        if not through_mapping:
             pool.mapping.ready = lambda: False  # the descriptor path
-        assert pool.kernel == ("guarded-mapping" if mapped else "pread-pwrite")
+        assert pool.kernel == ("guarded-mapping" if through_mapping else "pread-pwrite")
         read = [pool.read_tokens(i, slots).clone() for i in range(4)]
+        reused = torch.full_like(read[0], float("nan"))  # a buffer a caller reuses
+        for i in (1, 3):
+            assert pool.read_tokens(i, slots, out=reused) is reused
+            assert torch.equal(reused, read[i])
         pool.copy_slots(src, dst)
         results.append(([b.clone() for b in shared.k + shared.v], read))
         pool.close()

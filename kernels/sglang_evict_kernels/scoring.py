@@ -150,6 +150,7 @@ def key_norms_triton(
 ) -> Tensor:
     """Triton ``key_norms_reference``: one launch over all layers (``check_slots``: see
     ``_check``)."""
+    import triton
     import triton.language as tl
 
     _check(k_buffers, slots, check_slots)
@@ -167,7 +168,7 @@ def key_norms_triton(
         num_heads,
         HEAD_DIM=head_dim,
         # MLA's latent rows are 288 or 576 wide: the block covers them, masked
-        BLOCK_DIM=1 << max(0, head_dim - 1).bit_length(),
+        BLOCK_DIM=triton.next_power_of_2(head_dim),
         DTYPE=_element_type(tl, k_buffers[0].dtype),
         BLOCK=BLOCK_TOKENS,
     )
